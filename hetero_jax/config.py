@@ -1,0 +1,91 @@
+"""Engine configuration (static, hashable) and the one bucketing helper.
+
+Every jitted step sees shapes from the bucket lists here: total tokens T, sequences S (tied to
+T: `min(T, max_num_seqs)`), multi-token sequences Sc, and pages per sequence. `variants()`
+enumerates them all, so `Engine.warmup()` can compile every one up front.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+_DTYPES = ("float32", "bfloat16")
+
+
+def pad_to_bucket(n: int, buckets: tuple) -> int:
+    """Smallest bucket >= n."""
+    for b in buckets:
+        if b >= n:
+            return b
+    raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
+
+
+def _powers_of_two(lo: int, hi: int) -> tuple:
+    out, b = [], lo
+    while b < hi:
+        out.append(b)
+        b *= 2
+    return tuple(out) + (hi,)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    token_budget: int = 256
+    chunk_size: int = 64
+    max_num_seqs: int = 32
+    max_chunk_seqs: int = 4
+    page_size: int = 16
+    num_pages: int | None = None  # None: enough for max_num_seqs sequences, capped by kv_cache_gib
+    kv_cache_gib: float = 2.0
+    max_model_len: int | None = None  # None: min(model's max positions, 2048)
+    dtype: str = "float32"
+    max_logprobs: int = 5
+    scheduler: str = "fcfs"
+    attention_impl: str = "auto"  # auto | xla | pallas
+    token_buckets: tuple | None = None  # None: powers of two from 16 up to token_budget
+    page_buckets: tuple | None = None  # None: powers of two from 4 up to max_model_len pages
+    chunk_seq_buckets: tuple | None = None  # None: (0, 1, max_chunk_seqs)
+    seed: int = 0
+
+    def __post_init__(self):
+        checks = [("token_budget", 1), ("chunk_size", 1), ("max_num_seqs", 1),
+                  ("max_chunk_seqs", 1), ("page_size", 1)]
+        for name, lo in checks:
+            if getattr(self, name) < lo:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= {lo}")
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype={self.dtype!r} must be one of {_DTYPES}")
+        if self.attention_impl not in ("auto", "xla", "pallas"):
+            raise ValueError(f"attention_impl={self.attention_impl!r}: expected auto, xla or pallas")
+
+    def resolve(self, model_max_len: int, kv_bytes_per_token: int) -> "EngineConfig":
+        """Fill every None from the model: max_model_len, num_pages and the bucket lists."""
+        max_len = self.max_model_len or min(model_max_len, 2048)
+        if max_len > model_max_len:
+            raise ValueError(f"max_model_len={max_len} exceeds the model's {model_max_len}")
+        pages_per_seq = -(-max_len // self.page_size)
+        num_pages = self.num_pages
+        if num_pages is None:
+            cap = int(self.kv_cache_gib * 2**30 // (kv_bytes_per_token * self.page_size))
+            num_pages = max(min(self.max_num_seqs * pages_per_seq, cap), pages_per_seq) + 1
+        if num_pages <= pages_per_seq:
+            raise ValueError(f"num_pages={num_pages} must exceed the {pages_per_seq} pages "
+                             f"of one max_model_len={max_len} sequence (page 0 is scratch)")
+        tokens = self.token_buckets or _powers_of_two(min(16, self.token_budget), self.token_budget)
+        return dataclasses.replace(
+            self, max_model_len=max_len, num_pages=num_pages,
+            token_buckets=tuple(sorted(tokens)),
+            page_buckets=tuple(sorted(self.page_buckets or _powers_of_two(
+                min(4, pages_per_seq), pages_per_seq))),
+            chunk_seq_buckets=tuple(sorted(self.chunk_seq_buckets or {0, 1, self.max_chunk_seqs})))
+
+    def num_seqs_bucket(self, num_tokens_bucket: int) -> int:
+        return min(num_tokens_bucket, self.max_num_seqs)
+
+    def variants(self):
+        """Every (T, S, Sc, pages_per_seq) a step can have."""
+        for t, sc, p in itertools.product(self.token_buckets, self.chunk_seq_buckets,
+                                          self.page_buckets):
+            s = self.num_seqs_bucket(t)
+            if sc <= s:
+                yield t, s, sc, p

@@ -1,0 +1,205 @@
+"""The synchronous engine: validate requests, then loop schedule -> runner step -> update.
+
+In: prompts (strings or token-id lists) with `SamplingParams`. Out: `RequestOutput`s in input
+order. Everything a request could fail on is checked before any step runs, so a bad input
+raises at once and the engine stays usable. One thread; the scheduler runs on the host between
+device steps.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import jax
+import jax.numpy as jnp
+from tqdm.auto import tqdm
+
+from hetero_jax import checkpoint
+from hetero_jax.config import EngineConfig
+from hetero_jax.models import llama
+from hetero_jax.models.config import ModelConfig
+from hetero_jax.models.loading import load_hf_model
+from hetero_jax.models.presets import preset_config
+from hetero_jax.params import SamplingParams
+from hetero_jax.runner import Runner
+from hetero_jax.sched import Request, Scheduler, SchedulerConfig
+from hetero_jax.tokenizer import ByteTokenizer, load_tokenizer
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerateRequest:
+    prompt: str | list
+    params: SamplingParams = SamplingParams()
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestKnobs:
+    """Host copy of one request's sampling knobs; the runner packs them into arrays."""
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int
+    logprobs: int | None
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    request_id: int
+    prompt_token_ids: list
+    token_ids: list  # generated ids only
+    text: str | None
+    finish_reason: str
+    logprobs: list | None  # per token: {"logprob", "top": [(token_id, logprob), ...]}
+    metrics: dict  # arrival_time, first_token_time, finish_time, ttft_s, latency_s, preemptions
+
+
+@dataclasses.dataclass
+class EngineStats:
+    steps: int = 0
+    scheduled_tokens: int = 0
+    generated_tokens: int = 0
+    step_time_s: float = 0.0
+    preemptions: int = 0
+    compiles: int = 0
+
+
+class Engine:
+    def __init__(self, model_cfg: ModelConfig, params, tokenizer, config: EngineConfig | None = None):
+        dtype = jnp.dtype((config or EngineConfig()).dtype)
+        kv_bytes = 2 * model_cfg.num_layers * model_cfg.num_kv_heads * model_cfg.head_dim * dtype.itemsize
+        self.config = (config or EngineConfig()).resolve(model_cfg.max_position_embeddings, kv_bytes)
+        self.model_cfg, self.tokenizer = model_cfg, tokenizer
+        params = jax.tree.map(lambda x: jnp.asarray(x, dtype), params)
+        self.runner = Runner(model_cfg, self.config, params)
+        c = self.config
+        self.scheduler = Scheduler(SchedulerConfig(
+            token_budget=c.token_budget, chunk_size=c.chunk_size, max_num_seqs=c.max_num_seqs,
+            max_chunk_seqs=c.max_chunk_seqs, page_size=c.page_size, num_pages=c.num_pages,
+            max_model_len=c.max_model_len, policy=c.scheduler))
+        self.stats = EngineStats()
+        self._next_id = 0
+
+    # -- construction ------------------------------------------------------------------------
+    @classmethod
+    def from_preset(cls, name: str, seed: int = 0, config: EngineConfig | None = None) -> "Engine":
+        cfg = preset_config(name)
+        return cls(cfg, llama.init_params(cfg, seed), ByteTokenizer(), config)
+
+    @classmethod
+    def from_pretrained(cls, path: str, config: EngineConfig | None = None) -> "Engine":
+        dtype = jnp.dtype((config or EngineConfig()).dtype)
+        model_cfg, params = load_hf_model(path, dtype)
+        return cls(model_cfg, params, load_tokenizer(path, model_cfg.eos_token_ids), config)
+
+    def save(self, path: str) -> None:
+        """An engine-native checkpoint (orbax): params, model config and tokenizer."""
+        checkpoint.save(path, self.model_cfg, self.runner.params, self.tokenizer)
+
+    @classmethod
+    def load(cls, path: str, config: EngineConfig | None = None) -> "Engine":
+        model_cfg, params, tokenizer = checkpoint.load(path)
+        return cls(model_cfg, params, tokenizer, config)
+
+    # -- serving -----------------------------------------------------------------------------
+    def warmup(self) -> int:
+        """Compile every step variant; returns how many were compiled."""
+        for key in self.config.variants():
+            self.runner.executable(key)
+        self.stats.compiles = self.runner.compiles
+        return self.runner.compiles
+
+    def generate(self, prompts, params: SamplingParams | list | None = None,
+                 use_tqdm: bool = True) -> list:
+        prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+        return self.run([GenerateRequest(p, sp) for p, sp in zip(prompts, params)], use_tqdm)
+
+    def run(self, requests: list, use_tqdm: bool = True) -> list:
+        """Serve a list of requests together; outputs come back in input order."""
+        reqs = [self._make_request(i, r) for i, r in enumerate(requests)]
+        for req in reqs:
+            self.scheduler.add(req)
+        bar = tqdm(total=len(reqs), desc="requests", unit="req", disable=not use_tqdm)
+        try:
+            self._loop(bar)
+        finally:
+            bar.close()
+            for req in reqs:
+                self.scheduler.abort(req.request_id)  # no-op for finished ones
+        return [self._output(req) for req in reqs]
+
+    def _loop(self, bar) -> None:
+        start, tokens = time.perf_counter(), 0
+        while self.scheduler.has_work():
+            out = self.scheduler.schedule()
+            assert out.items, "scheduler produced an empty step while requests are pending"
+            runner_out = self.runner.execute(out)
+            now = time.perf_counter()
+            for rid in runner_out.sampled:
+                req = self.scheduler.requests[rid]
+                req.first_token_time = req.first_token_time or now
+            finished = self.scheduler.update(out, runner_out)
+            for req in finished:
+                req.finish_time = now
+            self._account(out, runner_out)
+            tokens += len(runner_out.sampled)
+            bar.update(len(finished))
+            bar.set_postfix(tok_s=f"{tokens / (now - start):.1f}", refresh=False)
+
+    def _account(self, out, runner_out) -> None:
+        s = self.stats
+        s.steps += 1
+        s.scheduled_tokens += out.num_tokens
+        s.generated_tokens += len(runner_out.sampled)
+        s.step_time_s += runner_out.step_time
+        s.preemptions += len(out.preempted)
+        s.compiles = self.runner.compiles
+
+    # -- requests ----------------------------------------------------------------------------
+    def _tokenize(self, index: int, prompt) -> list:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(f"prompt {index} is a string but the model has no tokenizer; "
+                                 "pass token ids")
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = [int(t) for t in prompt]
+        if not ids or (isinstance(prompt, str) and not prompt):
+            raise ValueError(f"prompt {index} is empty")
+        bad = [t for t in ids if not 0 <= t < self.model_cfg.vocab_size]
+        if bad:
+            raise ValueError(f"prompt {index}: token id {bad[0]} outside [0, {self.model_cfg.vocab_size})")
+        if len(ids) >= self.config.max_model_len:
+            raise ValueError(f"prompt {index} has {len(ids)} tokens; max_model_len="
+                             f"{self.config.max_model_len} leaves no room to generate")
+        return ids
+
+    def _make_request(self, index: int, r: GenerateRequest) -> Request:
+        sp = r.params
+        if sp.logprobs is not None and sp.logprobs > self.config.max_logprobs:
+            raise ValueError(f"logprobs={sp.logprobs} exceeds max_logprobs={self.config.max_logprobs}")
+        ids = self._tokenize(index, r.prompt)
+        eos = () if sp.ignore_eos else self.model_cfg.eos_token_ids
+        rid, self._next_id = self._next_id, self._next_id + 1
+        seed = sp.seed if sp.seed is not None else (self.config.seed * 1_000_003 + rid) % 2**32
+        return Request(request_id=rid, prompt_token_ids=ids, max_tokens=sp.max_tokens,
+                       stop_token_ids=frozenset(sp.stop_token_ids) | frozenset(eos),
+                       arrival_time=time.perf_counter(),
+                       payload=RequestKnobs(sp.temperature, sp.top_k, sp.top_p, seed, sp.logprobs))
+
+    def _output(self, req: Request) -> RequestOutput:
+        k = req.payload.logprobs
+        logprobs = None if k is None else [
+            {"logprob": t.logprob, "top": list(zip(t.top_token_ids[:k], t.top_logprobs[:k]))}
+            for t in req.output_logprobs]
+        text = self.tokenizer.decode(req.output_token_ids) if self.tokenizer else None
+        ftt, fin = req.first_token_time, req.finish_time
+        metrics = dict(arrival_time=req.arrival_time, first_token_time=ftt, finish_time=fin,
+                       ttft_s=None if ftt is None else ftt - req.arrival_time,
+                       latency_s=None if fin is None else fin - req.arrival_time,
+                       preemptions=req.num_preemptions)
+        return RequestOutput(req.request_id, req.prompt_token_ids, list(req.output_token_ids),
+                             text, req.finish_reason, logprobs, metrics)

@@ -1,0 +1,160 @@
+"""The Llama family (Llama 2/3/3.1, Mistral, Qwen2) as a pure function of a params pytree.
+
+In: a flat token axis `tokens [T]` with `positions [T]` and KV `slots [T]` (page * page_size +
+offset, where the token's K/V is written), the paged KV cache, and the attention metadata of
+the step. Out: final-norm hidden states `[T, d]` and the updated cache. Layers are stacked on a
+leading axis and run by one `jax.lax.scan` body, so compile time does not grow with depth.
+
+Params pytree (weights stored as `[in, out]`):
+  embed [V, d]; final_norm [d]; lm_head [d, V] unless tied;
+  layers: attn_norm [L, d], wq [L, d, Hq*D], wk/wv [L, d, Hkv*D], wo [L, Hq*D, d],
+          bq/bk/bv [L, H*D] (Qwen2 only), mlp_norm [L, d], w_gate/w_up [L, d, F], w_down [L, F, d].
+"""
+from __future__ import annotations
+
+import math
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from hetero_jax.models.config import ModelConfig
+
+
+@flax.struct.dataclass
+class KVCache:
+    k: jax.Array  # [L, P, page_size, Hkv, D]
+    v: jax.Array  # [L, P, page_size, Hkv, D]
+
+    @classmethod
+    def zeros(cls, cfg: ModelConfig, num_pages: int, page_size: int, dtype) -> "KVCache":
+        shape = (cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
+        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+
+
+@flax.struct.dataclass
+class AttnMeta:
+    kv_lens: jax.Array  # [S]
+    page_indices: jax.Array  # [S, pages_per_seq]
+    cu_q_lens: jax.Array  # [S+1]
+    num_seqs: jax.Array  # [] int32
+
+
+def layer_shapes(cfg: ModelConfig) -> dict:
+    d, f, l = cfg.hidden_size, cfg.intermediate_size, cfg.num_layers
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    shapes = dict(attn_norm=(l, d), wq=(l, d, q), wk=(l, d, kv), wv=(l, d, kv), wo=(l, q, d),
+                  mlp_norm=(l, d), w_gate=(l, d, f), w_up=(l, d, f), w_down=(l, f, d))
+    if cfg.qkv_bias:
+        shapes.update(bq=(l, q), bk=(l, kv), bv=(l, kv))
+    return shapes
+
+
+def param_shapes(cfg: ModelConfig) -> dict:
+    shapes = dict(embed=(cfg.vocab_size, cfg.hidden_size), final_norm=(cfg.hidden_size,),
+                  layers=layer_shapes(cfg))
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head"] = (cfg.hidden_size, cfg.vocab_size)
+    return shapes
+
+
+def init_params(cfg: ModelConfig, seed: int, dtype=jnp.float32) -> dict:
+    """Random weights (normal, std 0.02; norms at one), deterministic in `seed`."""
+    rng = np.random.default_rng(seed)
+
+    def make(name, shape):
+        if name.endswith("norm"):
+            return jnp.ones(shape, dtype)
+        return jnp.asarray(rng.standard_normal(shape, np.float32) * 0.02, dtype)
+
+    shapes = param_shapes(cfg)
+    params = {k: make(k, v) for k, v in shapes.items() if k != "layers"}
+    params["layers"] = {k: make(k, v) for k, v in shapes["layers"].items()}
+    return params
+
+
+def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
+    """[D/2] inverse frequencies, with llama3 frequency scaling when configured."""
+    d = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (np.arange(0, d, 2, dtype=np.float32) / d))
+    if not cfg.rope_scaling:
+        return inv.astype(np.float32)
+    rs = dict(cfg.rope_scaling)
+    factor, lo, hi = rs["factor"], rs["low_freq_factor"], rs["high_freq_factor"]
+    old_len = rs["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv
+    scaled = np.where(wavelen > old_len / lo, inv / factor, inv)
+    smooth = (old_len / wavelen - lo) / (hi - lo)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_len / hi) & (wavelen <= old_len / lo)
+    return np.where(medium, smoothed, scaled).astype(np.float32)
+
+
+def rope_tables(cfg: ModelConfig, positions):
+    """positions [T] -> cos, sin [T, 1, D] in the rotate-half layout of Hugging Face."""
+    freqs = positions.astype(jnp.float32)[:, None] * jnp.asarray(rope_inv_freq(cfg))[None, :]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(emb)[:, None, :], jnp.sin(emb)[:, None, :]
+
+
+def apply_rope(x, cos, sin):
+    """x [T, H, D] -> [T, H, D]."""
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return (x.astype(jnp.float32) * cos + rotated.astype(jnp.float32) * sin).astype(x.dtype)
+
+
+def rms_norm(x, weight, eps):
+    """x [T, d] -> [T, d]: normalised in fp32, scaled, returned in x's dtype."""
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return weight * x32.astype(x.dtype)
+
+
+def _qkv(cfg, lp, x):
+    t = x.shape[0]
+    q, k, v = x @ lp["wq"], x @ lp["wk"], x @ lp["wv"]
+    if cfg.qkv_bias:
+        q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
+    return (q.reshape(t, cfg.num_heads, cfg.head_dim),
+            k.reshape(t, cfg.num_kv_heads, cfg.head_dim),
+            v.reshape(t, cfg.num_kv_heads, cfg.head_dim))
+
+
+def forward(params, cfg: ModelConfig, tokens, positions, slots, kv: KVCache, meta: AttnMeta,
+            attn_fn):
+    """tokens/positions/slots [T] -> hidden [T, d] after the final norm, updated KVCache.
+
+    `attn_fn(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs)` is a
+    ragged paged attention with its static hints bound.
+    """
+    page_size = kv.k.shape[2]
+    page, offset = slots // page_size, slots % page_size
+    cos, sin = rope_tables(cfg, positions)
+    h = params["embed"][tokens]  # [T, d]
+
+    def block(carry, xs):
+        h, k_cache, v_cache = carry
+        lp, layer = xs
+        x = rms_norm(h, lp["attn_norm"], cfg.rms_norm_eps)
+        q, k, v = _qkv(cfg, lp, x)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        k_cache = k_cache.at[layer, page, offset].set(k.astype(k_cache.dtype))
+        v_cache = v_cache.at[layer, page, offset].set(v.astype(v_cache.dtype))
+        o = attn_fn(q, k_cache[layer], v_cache[layer], meta.kv_lens, meta.page_indices,
+                    meta.cu_q_lens, meta.num_seqs)
+        h = h + o.reshape(h.shape[0], -1).astype(h.dtype) @ lp["wo"]
+        x = rms_norm(h, lp["mlp_norm"], cfg.rms_norm_eps)
+        h = h + (jax.nn.silu(x @ lp["w_gate"]) * (x @ lp["w_up"])) @ lp["w_down"]
+        return (h, k_cache, v_cache), None
+
+    layers = jnp.arange(cfg.num_layers)
+    (h, k, v), _ = jax.lax.scan(block, (h, kv.k, kv.v), (params["layers"], layers))
+    return rms_norm(h, params["final_norm"], cfg.rms_norm_eps), KVCache(k, v)
+
+
+def lm_logits(params, cfg: ModelConfig, hidden):
+    """hidden [N, d] -> fp32 logits [N, V]."""
+    head = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
+    return jnp.dot(hidden, head, preferred_element_type=jnp.float32)

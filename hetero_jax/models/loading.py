@@ -1,0 +1,116 @@
+"""Load a Llama-family checkpoint from a local Hugging Face directory into a params pytree.
+
+In: a directory with `config.json` and `model.safetensors` (or a sharded
+`model.safetensors.index.json`). Out: `(ModelConfig, params)` with layer weights stacked on a
+leading axis and transposed to `[in, out]`. Safetensors files are parsed here (header + memory
+map) so that a missing, truncated or mis-shaped tensor fails with the file and tensor named.
+"""
+from __future__ import annotations
+
+import json
+import os
+import struct
+
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+from hetero_jax.models.config import ModelConfig, model_config_from_hf, read_hf_config
+from hetero_jax.models.llama import param_shapes
+
+_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, "F64": np.float64}
+
+# params name -> Hugging Face name; "{i}" is the layer index. Linear weights are transposed.
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm.weight", "mlp_norm": "post_attention_layernorm.weight",
+    "wq": "self_attn.q_proj.weight", "wk": "self_attn.k_proj.weight",
+    "wv": "self_attn.v_proj.weight", "wo": "self_attn.o_proj.weight",
+    "bq": "self_attn.q_proj.bias", "bk": "self_attn.k_proj.bias", "bv": "self_attn.v_proj.bias",
+    "w_gate": "mlp.gate_proj.weight", "w_up": "mlp.up_proj.weight",
+    "w_down": "mlp.down_proj.weight",
+}
+_TOP_NAMES = {"embed": "model.embed_tokens.weight", "final_norm": "model.norm.weight",
+              "lm_head": "lm_head.weight"}
+
+
+class SafetensorsFile:
+    """Lazy reader of one .safetensors file: `names`, `get(name) -> np.ndarray`."""
+
+    def __init__(self, path: str):
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"weight file {path} not found")
+        self.path = path
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            raw = f.read(8)
+            if len(raw) < 8:
+                raise ValueError(f"{path}: truncated safetensors file ({size} bytes)")
+            (header_len,) = struct.unpack("<Q", raw)
+            if 8 + header_len > size:
+                raise ValueError(f"{path}: truncated safetensors header "
+                                 f"({header_len} header bytes, file has {size})")
+            header = json.loads(f.read(header_len))
+        header.pop("__metadata__", None)
+        self.header, self.data_start, self.size = header, 8 + header_len, size
+
+    @property
+    def names(self):
+        return self.header.keys()
+
+    def get(self, name: str) -> np.ndarray:
+        info = self.header[name]
+        if info["dtype"] not in _DTYPES:
+            raise ValueError(f"{self.path}: tensor {name} has unsupported dtype {info['dtype']}")
+        begin, end = info["data_offsets"]
+        if self.data_start + end > self.size:
+            raise ValueError(f"{self.path}: tensor {name} is truncated (needs bytes up to "
+                             f"{self.data_start + end}, file has {self.size})")
+        arr = np.memmap(self.path, dtype=_DTYPES[info["dtype"]], mode="r",
+                        offset=self.data_start + begin, shape=tuple(info["shape"]))
+        return np.asarray(arr)
+
+
+def open_checkpoint(model_dir: str) -> dict:
+    """tensor name -> SafetensorsFile holding it (single file or sharded index)."""
+    index = os.path.join(model_dir, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+        files = {fn: SafetensorsFile(os.path.join(model_dir, fn)) for fn in set(weight_map.values())}
+        return {name: files[fn] for name, fn in weight_map.items()}
+    single = os.path.join(model_dir, "model.safetensors")
+    if not os.path.isfile(single):
+        raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {model_dir}")
+    f = SafetensorsFile(single)
+    return {name: f for name in f.names}
+
+
+def _read(tensors: dict, name: str, shape: tuple, transpose: bool) -> np.ndarray:
+    """One tensor, checked against the Hugging Face shape, returned as `shape`."""
+    if name not in tensors:
+        raise ValueError(f"tensor {name} missing from the checkpoint")
+    arr = tensors[name].get(name)
+    hf_shape = tuple(shape)[::-1] if transpose else tuple(shape)
+    if arr.shape != hf_shape:
+        raise ValueError(f"{tensors[name].path}: tensor {name} has shape {arr.shape}, "
+                         f"the config expects {hf_shape}")
+    return arr.T if transpose else arr
+
+
+def load_params(model_dir: str, cfg: ModelConfig, dtype) -> dict:
+    tensors = open_checkpoint(model_dir)
+    shapes = param_shapes(cfg)
+    params = {k: jnp.asarray(_read(tensors, _TOP_NAMES[k], shapes[k], k == "lm_head"), dtype)
+              for k in shapes if k != "layers"}
+    params["layers"] = {}
+    for key, shape in shapes["layers"].items():
+        transpose = key.startswith("w")
+        per_layer = [_read(tensors, f"model.layers.{i}.{_LAYER_NAMES[key]}", shape[1:], transpose)
+                     for i in range(cfg.num_layers)]
+        params["layers"][key] = jnp.asarray(np.stack(per_layer), dtype)
+    return params
+
+
+def load_hf_model(model_dir: str, dtype=jnp.float32) -> tuple[ModelConfig, dict]:
+    cfg = model_config_from_hf(read_hf_config(model_dir), os.path.join(model_dir, "config.json"))
+    return cfg, load_params(model_dir, cfg, dtype)

@@ -1,0 +1,29 @@
+"""Embedded models: random weights from a seed, the byte-level tokenizer, no download.
+
+- `tiny`: about 2.6M parameters, for tests.
+- `small`: about 100M parameters (400 MB in fp32), so that decode is memory-bound on a CPU
+  whose last-level cache is tens of MB.
+"""
+from __future__ import annotations
+
+from hetero_jax.models.config import ModelConfig
+from hetero_jax.tokenizer import ByteTokenizer
+
+_VOCAB = 512  # ByteTokenizer ids fit; padded to a round size for the LM head.
+
+PRESETS = {
+    "tiny": ModelConfig(vocab_size=_VOCAB, hidden_size=256, intermediate_size=512, num_layers=4,
+                        num_heads=8, num_kv_heads=4, head_dim=32, max_position_embeddings=1024,
+                        bos_token_id=ByteTokenizer.bos_token_id,
+                        eos_token_ids=(ByteTokenizer.eos_token_id,)),
+    "small": ModelConfig(vocab_size=_VOCAB, hidden_size=768, intermediate_size=3072,
+                         num_layers=12, num_heads=12, num_kv_heads=4, head_dim=64,
+                         max_position_embeddings=4096, bos_token_id=ByteTokenizer.bos_token_id,
+                         eos_token_ids=(ByteTokenizer.eos_token_id,)),
+}
+
+
+def preset_config(name: str) -> ModelConfig:
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; available: {', '.join(PRESETS)}")
+    return PRESETS[name]

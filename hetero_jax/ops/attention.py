@@ -1,0 +1,121 @@
+"""Ragged paged attention: one call over a flat token axis that mixes chunks and decode tokens.
+
+In: `q [T, Hq, D]` (the new tokens of every sequence, back to back), per-layer KV pages
+`[P, page_size, Hkv, D]` (the new tokens' K/V already written), `kv_lens [S]`,
+`page_indices [S, pages_per_seq]`, `cu_q_lens [S+1]`, `num_seqs` (int32 scalar).
+Out: `[T, Hq, D]`; rows past `cu_q_lens[num_seqs]` are padding and come back as zeros.
+
+The XLA version splits the sequences into two groups so that padding stays low:
+- the first `num_multi_query_seqs` sequences, each with up to `max_q_len` queries (chunks);
+- every sequence's last query (decode tokens have exactly one).
+A token of sequence `s >= num_multi_query_seqs` must therefore be that sequence's only token;
+the runner sorts chunks before decode tokens, so this holds by construction. Left at their
+defaults (`None`) the hints make the first group cover everything, which is always correct.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+_MASKED = -1e30
+
+
+def _gather_kv(pages, page_indices):
+    """[P, ps, Hkv, D], [S, pps] -> [S, pps * ps, Hkv, D]."""
+    s, pps = page_indices.shape
+    _, ps, hkv, d = pages.shape
+    return pages[page_indices].reshape(s, pps * ps, hkv, d)
+
+
+def _attend(q, k, v, q_pos, kv_lens, sm_scale):
+    """q [S, Q, Hq, D], k/v [S, L, Hkv, D], q_pos [S, Q] -> [S, Q, Hq, D] (fp32 softmax)."""
+    s, nq, hq, d = q.shape
+    hkv = k.shape[2]
+    q = q.reshape(s, nq, hkv, hq // hkv, d)
+    scores = jnp.einsum("sqhgd,skhd->shgqk", q, k, preferred_element_type=jnp.float32)
+    key_pos = jnp.arange(k.shape[1])
+    visible = (key_pos[None, None, :] <= q_pos[:, :, None]) & (
+        key_pos[None, None, :] < kv_lens[:, None, None])
+    scores = jnp.where(visible[:, None, None], scores * sm_scale, _MASKED)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("shgqk,skhd->sqhgd", probs, v, preferred_element_type=jnp.float32)
+    return out.reshape(s, nq, hq, d)
+
+
+def _ragged_paged_attention_xla(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens,
+                                num_seqs, sm_scale, max_q_len, num_multi_query_seqs):
+    t = q.shape[0]
+    s = kv_lens.shape[0]
+    seq_valid = jnp.arange(s) < num_seqs
+    q_lens = jnp.where(seq_valid, cu_q_lens[1:] - cu_q_lens[:-1], 0)  # [S]
+    kv_lens = jnp.where(seq_valid, kv_lens, 0)
+    tok = jnp.arange(t)
+    seq_of_tok = jnp.clip(jnp.searchsorted(cu_q_lens[1:], tok, side="right"), 0, s - 1)  # [T]
+    tok_valid = tok < cu_q_lens[num_seqs]
+    out = jnp.zeros(q.shape, jnp.float32)
+
+    sa = num_multi_query_seqs
+    if sa > 0:
+        offs = jnp.arange(max_q_len)
+        idx = jnp.clip(cu_q_lens[:sa, None] + offs[None, :], 0, t - 1)  # [Sa, Q]
+        q_pos = kv_lens[:sa, None] - q_lens[:sa, None] + offs[None, :]
+        out_a = _attend(q[idx], _gather_kv(k_pages, page_indices[:sa]),
+                        _gather_kv(v_pages, page_indices[:sa]), q_pos, kv_lens[:sa], sm_scale)
+        in_a = seq_of_tok < sa
+        local = jnp.clip(tok - cu_q_lens[seq_of_tok], 0, max_q_len - 1)
+        out = jnp.where(in_a[:, None, None], out_a[jnp.clip(seq_of_tok, 0, sa - 1), local], out)
+    if sa < s:
+        last = jnp.clip(cu_q_lens[1:] - 1, 0, t - 1)  # [S]
+        out_b = _attend(q[last][:, None], _gather_kv(k_pages, page_indices),
+                        _gather_kv(v_pages, page_indices), kv_lens[:, None] - 1, kv_lens,
+                        sm_scale)[:, 0]
+        out = jnp.where((seq_of_tok >= sa)[:, None, None], out_b[seq_of_tok], out)
+    return jnp.where(tok_valid[:, None, None], out, 0.0).astype(q.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "impl", "max_q_len",
+                                             "num_multi_query_seqs", "interpret"))
+def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *,
+                           sm_scale=None, impl="xla", max_q_len=None,
+                           num_multi_query_seqs=None, interpret=False):
+    """Attention of ragged new tokens over paged KV; see the module docstring.
+
+    q [T, Hq, D]; k_pages, v_pages [P, page_size, Hkv, D]; kv_lens [S]; page_indices [S, pps];
+    cu_q_lens [S+1]; num_seqs int32 scalar. Static hints: `max_q_len` bounds the queries of
+    each of the first `num_multi_query_seqs` sequences; all later sequences have one query.
+    """
+    t, hq, d = q.shape
+    s = kv_lens.shape[0]
+    assert hq % k_pages.shape[2] == 0, f"{hq=} is not a multiple of Hkv={k_pages.shape[2]}"
+    sm_scale = 1.0 / float(np.sqrt(d)) if sm_scale is None else sm_scale
+    max_q_len = t if max_q_len is None else min(max_q_len, t)
+    num_multi_query_seqs = s if num_multi_query_seqs is None else min(num_multi_query_seqs, s)
+    if impl == "xla":
+        return _ragged_paged_attention_xla(q, k_pages, v_pages, kv_lens, page_indices,
+                                           cu_q_lens, num_seqs, sm_scale, max_q_len,
+                                           num_multi_query_seqs)
+    raise ValueError(f"unknown attention impl {impl!r}; expected 'xla'")
+
+
+def ragged_paged_attention_reference(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens,
+                                     num_seqs, *, sm_scale=None):
+    """Float64 numpy loop over sequences: the ground truth for tests. Same layout as above."""
+    q, k_pages, v_pages = (np.asarray(a, np.float64) for a in (q, k_pages, v_pages))
+    t, hq, d = q.shape
+    hkv = k_pages.shape[2]
+    sm_scale = 1.0 / np.sqrt(d) if sm_scale is None else sm_scale
+    out = np.zeros_like(q)
+    for s in range(int(num_seqs)):
+        lo, hi, kv_len = int(cu_q_lens[s]), int(cu_q_lens[s + 1]), int(kv_lens[s])
+        k = k_pages[np.asarray(page_indices[s])].reshape(-1, hkv, d)[:kv_len]
+        v = v_pages[np.asarray(page_indices[s])].reshape(-1, hkv, d)[:kv_len]
+        k, v = np.repeat(k, hq // hkv, axis=1), np.repeat(v, hq // hkv, axis=1)
+        for i in range(hi - lo):
+            pos = kv_len - (hi - lo) + i
+            scores = np.einsum("hd,khd->hk", q[lo + i], k[:pos + 1]) * sm_scale
+            p = np.exp(scores - scores.max(-1, keepdims=True))
+            out[lo + i] = np.einsum("hk,khd->hd", p / p.sum(-1, keepdims=True), v[:pos + 1])
+    return out

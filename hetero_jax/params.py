@@ -1,0 +1,33 @@
+"""Per-request parameters (plain Python, no jax): validated when a request is made."""
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """How one generation request samples. `temperature=0` is greedy; `top_k=0` means all."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: tuple = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None
+
+    def __post_init__(self):
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens={self.max_tokens!r} must be an integer >= 1")
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature={self.temperature!r} must be >= 0")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k={self.top_k!r} must be an integer >= 0 (0 = no limit)")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p={self.top_p!r} must be in (0, 1]")
+        if self.seed is not None and not 0 <= self.seed < 2**32:
+            raise ValueError(f"seed={self.seed!r} must be in [0, 2**32)")
+        if self.logprobs is not None and self.logprobs < 0:
+            raise ValueError(f"logprobs={self.logprobs!r} must be >= 0")
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))

@@ -1,0 +1,57 @@
+"""Host-side request state (plain Python): what has been computed, which pages hold its KV."""
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclasses.dataclass
+class Request:
+    """One generation request. `num_computed_tokens` catches up with `num_tokens`.
+
+    The tokens of the request are `prompt_token_ids + output_token_ids`; those below
+    `num_computed_tokens` have their K/V in `pages`. After a preemption the request is
+    recomputed from token 0 (prompt and output so far), so no token is lost.
+    """
+
+    request_id: int
+    prompt_token_ids: list
+    max_tokens: int
+    stop_token_ids: frozenset = frozenset()
+    kind: str = "generate"
+    output_token_ids: list = dataclasses.field(default_factory=list)
+    output_logprobs: list = dataclasses.field(default_factory=list)
+    num_computed_tokens: int = 0
+    pages: list = dataclasses.field(default_factory=list)
+    status: Status = Status.WAITING
+    finish_reason: str | None = None
+    num_preemptions: int = 0
+    arrival_time: float = 0.0
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    payload: object = None  # engine-side data (sampling knobs); the scheduler never reads it
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_remaining(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_decoding(self) -> bool:
+        return bool(self.output_token_ids) and self.num_remaining == 1
+
+    def token_ids(self, start: int, count: int) -> list:
+        n = len(self.prompt_token_ids)
+        all_ids = self.prompt_token_ids[start:start + count]
+        if start + count > n:
+            all_ids = all_ids + self.output_token_ids[max(start - n, 0):start + count - n]
+        return all_ids
