@@ -1,0 +1,58 @@
+"""The model function against transformers: full-sequence logits, several families/shapes."""
+import copy
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from hetero_jax.models import llama
+from hetero_jax.models.loading import load_hf_model
+from hetero_jax.ops import ragged_paged_attention
+from tests.hf_models import hf_logits
+
+
+def full_logits(cfg, params, ids, page_size=8):
+    """Run one sequence as a single prefill over fresh pages; [n] ids -> [n, V] logits."""
+    n = len(ids)
+    pages = -(-n // page_size)
+    kv = llama.KVCache.zeros(cfg, pages + 1, page_size, params["embed"].dtype)
+    pos = np.arange(n, dtype=np.int32)
+    meta = llama.AttnMeta(kv_lens=np.array([n], np.int32),
+                          page_indices=np.arange(1, pages + 1, dtype=np.int32)[None],
+                          cu_q_lens=np.array([0, n], np.int32), num_seqs=np.int32(1))
+    hidden, _ = llama.forward(params, cfg, jnp.asarray(ids, jnp.int32), pos, pos + page_size,
+                              kv, meta, ragged_paged_attention)
+    return np.asarray(llama.lm_logits(params, cfg, hidden))
+
+
+@pytest.mark.parametrize("name", ["llama3", "mistral", "qwen2"])
+def test_full_sequence_logits_match_transformers(hf_model, name):
+    path, model = hf_model(name)
+    cfg, params = load_hf_model(path)
+    ids = np.random.default_rng(0).integers(0, cfg.vocab_size, 150)  # past the llama3 64 window
+    want = hf_logits(model, ids)
+    got = full_logits(cfg, params, ids)
+    err = np.abs(got - want).max() / np.abs(want).max()
+    assert err < 1e-4, f"{name}: max relative error {err:.2e}"
+
+
+def test_config_mapping(hf_model):
+    cfg, params = load_hf_model(hf_model("llama3")[0])
+    assert (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (4, 1, 24)
+    assert dict(cfg.rope_scaling)["factor"] == 8.0
+    cfg, params = load_hf_model(hf_model("qwen2")[0])
+    assert cfg.tie_word_embeddings and cfg.qkv_bias and "lm_head" not in params
+    assert params["layers"]["bq"].shape == (2, 64)
+
+
+def test_bf16_logits_close_to_fp32(hf_model):
+    """bf16 weights: no worse than 1.5x the error of transformers' own bf16 run."""
+    path, model = hf_model("mistral")
+    cfg, params = load_hf_model(path, jnp.bfloat16)
+    ids = np.arange(3, 60)
+    want = hf_logits(model, ids)
+    torch_bf16 = hf_logits(copy.deepcopy(model).to(torch.bfloat16), ids)
+    rel = lambda x: np.linalg.norm(x - want) / np.linalg.norm(want)  # noqa: E731
+    ours = rel(full_logits(cfg, params, ids).astype(np.float32))
+    assert ours < 1.5 * rel(torch_bf16), f"bf16 relative L2 {ours:.2e} vs torch {rel(torch_bf16):.2e}"

@@ -1,0 +1,65 @@
+"""The on-device sampler: hand-computed cases and invariants."""
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from hetero_jax import Engine, EngineConfig, SamplingParams
+from hetero_jax.sampler import SamplingKnobs, sample
+
+
+def knobs(n, temperature=1.0, top_k=0, top_p=1.0, seed=0, step=0):
+    full = lambda v, dt: jnp.full((n,), v, dt)  # noqa: E731
+    return SamplingKnobs(full(temperature, jnp.float32), full(top_k, jnp.int32),
+                         full(top_p, jnp.float32), full(seed, jnp.uint32), jnp.arange(n) + step)
+
+
+LOGITS = jnp.log(jnp.array([[0.1, 0.6, 0.05, 0.25]], jnp.float32))
+
+
+def draws(n, **kw):
+    packed = sample(jnp.repeat(LOGITS, n, 0), knobs(n, **kw), num_logprobs=2)
+    return np.asarray(packed[:, 0]).astype(int), np.asarray(packed)
+
+
+def test_greedy_and_logprobs_hand_computed():
+    ids, packed = draws(3, temperature=0.0)
+    assert ids.tolist() == [1, 1, 1]
+    np.testing.assert_allclose(packed[0, 1], np.log(0.6), rtol=1e-6)
+    assert packed[0, 2:4].tolist() == [1, 3]  # top-2 ids
+    np.testing.assert_allclose(packed[0, 4:6], np.log([0.6, 0.25]), rtol=1e-6)
+
+
+def test_top_k_one_and_tiny_top_p_are_greedy():
+    assert set(draws(64, top_k=1)[0]) == {1}
+    assert set(draws(64, top_p=0.01)[0]) == {1}
+
+
+def test_top_p_keeps_the_nucleus():
+    """top_p=0.8 keeps {1, 3} (0.6 + 0.25 >= 0.8), renormalised to 0.706 / 0.294."""
+    ids = draws(4000, top_p=0.8)[0]
+    assert set(ids) == {1, 3}
+    assert abs((ids == 1).mean() - 0.6 / 0.85) < 0.03
+
+
+def test_temperature_one_follows_the_distribution():
+    ids = draws(8000)[0]
+    np.testing.assert_allclose(np.bincount(ids, minlength=4) / 8000, [0.1, 0.6, 0.05, 0.25], atol=0.02)
+
+
+def test_seeded_sampling_is_reproducible_and_batch_independent():
+    engine = Engine.from_preset("tiny", config=EngineConfig(max_model_len=256, token_buckets=(16, 64)))
+    sp = SamplingParams(max_tokens=12, temperature=1.0, seed=123)
+    alone = engine.generate(["hello"], sp, use_tqdm=False)[0].token_ids
+    batch = engine.generate(["other prompt", "hello", "x"], [SamplingParams(max_tokens=5), sp, sp],
+                            use_tqdm=False)
+    assert batch[1].token_ids == alone
+    assert engine.generate(["hello"], SamplingParams(max_tokens=12, seed=124),
+                           use_tqdm=False)[0].token_ids != alone
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(max_tokens=0), "max_tokens=0"), (dict(temperature=-0.5), "temperature=-0.5"),
+    (dict(top_p=0.0), "top_p=0.0"), (dict(top_p=1.5), "top_p=1.5"), (dict(top_k=-1), "top_k=-1")])
+def test_bad_sampling_params(kw, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kw)
