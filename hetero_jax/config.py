@@ -42,6 +42,7 @@ class EngineConfig:
     max_logprobs: int = 5
     scheduler: str = "fcfs"
     attention_impl: str = "auto"  # auto | xla | pallas
+    layer_loop: str = "auto"  # auto (unrolled on CPU, scan elsewhere) | scan | unrolled
     token_buckets: tuple | None = None  # None: powers of two from 16 up to token_budget
     page_buckets: tuple | None = None  # None: powers of two from 4 up to max_model_len pages
     chunk_seq_buckets: tuple | None = None  # None: (0, 1, max_chunk_seqs)
@@ -55,6 +56,8 @@ class EngineConfig:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= {lo}")
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype={self.dtype!r} must be one of {_DTYPES}")
+        if self.layer_loop not in ("auto", "scan", "unrolled"):
+            raise ValueError(f"layer_loop={self.layer_loop!r}: expected auto, scan or unrolled")
         if self.attention_impl not in ("auto", "xla", "pallas"):
             raise ValueError(f"attention_impl={self.attention_impl!r}: expected auto, xla or pallas")
 

@@ -93,7 +93,8 @@ class Engine:
 
     def save(self, path: str) -> None:
         """An engine-native checkpoint (orbax): params, model config and tokenizer."""
-        checkpoint.save(path, self.model_cfg, self.runner.params, self.tokenizer)
+        checkpoint.save(path, self.model_cfg, llama.stack_layers(self.runner.params),
+                        self.tokenizer)
 
     @classmethod
     def load(cls, path: str, config: EngineConfig | None = None) -> "Engine":

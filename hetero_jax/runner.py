@@ -38,10 +38,10 @@ class StepBatch:
 
 
 def step(params, kv: llama.KVCache, batch: StepBatch, *, model_cfg: ModelConfig, max_q_len: int,
-         num_chunk_seqs: int, num_logprobs: int, impl: str):
+         num_chunk_seqs: int, num_logprobs: int, impl: str, interpret: bool):
     """One mixed forward pass; the LM head runs only on the S sampled rows."""
     attn_fn = functools.partial(ragged_paged_attention, impl=impl, max_q_len=max_q_len,
-                                num_multi_query_seqs=num_chunk_seqs)
+                                num_multi_query_seqs=num_chunk_seqs, interpret=interpret)
     hidden, kv = llama.forward(params, model_cfg, batch.tokens, batch.positions, batch.slots,
                                kv, batch.meta, attn_fn)
     logits = llama.lm_logits(params, model_cfg, hidden[batch.sample_rows])  # [S, V]
@@ -104,11 +104,16 @@ class Runner:
     """Owns params and the KV cache on the device; runs steps; counts compiles."""
 
     def __init__(self, model_cfg: ModelConfig, cfg: EngineConfig, params):
-        self.model_cfg, self.cfg, self.params = model_cfg, cfg, params
+        backend = jax.default_backend()
+        loop = cfg.layer_loop if cfg.layer_loop != "auto" else (
+            "unrolled" if backend == "cpu" else "scan")
+        self.model_cfg, self.cfg = model_cfg, cfg
+        self.params = llama.split_layers(params) if loop == "unrolled" else params
         dtype = jnp.dtype(cfg.dtype)
         self.kv = llama.KVCache.zeros(model_cfg, cfg.num_pages, cfg.page_size, dtype)
         impl = cfg.attention_impl
-        self.impl = ("pallas" if jax.default_backend() == "gpu" else "xla") if impl == "auto" else impl
+        self.impl = ("pallas" if backend == "gpu" else "xla") if impl == "auto" else impl
+        self.interpret = self.impl == "pallas" and backend != "gpu"  # Pallas off-GPU: interpret
         self._executables: dict = {}
 
     @property
@@ -120,7 +125,8 @@ class Runner:
             t, s, sc, p = key
             fn = jax.jit(functools.partial(
                 step, model_cfg=self.model_cfg, max_q_len=min(self.cfg.chunk_size, t),
-                num_chunk_seqs=sc, num_logprobs=self.cfg.max_logprobs, impl=self.impl),
+                num_chunk_seqs=sc, num_logprobs=self.cfg.max_logprobs, impl=self.impl,
+                interpret=self.interpret),
                 donate_argnums=(1,))
             self._executables[key] = fn.lower(self.params, self.kv, batch_spec(t, s, p)).compile()
         return self._executables[key]

@@ -56,3 +56,12 @@ def test_bf16_logits_close_to_fp32(hf_model):
     rel = lambda x: np.linalg.norm(x - want) / np.linalg.norm(want)  # noqa: E731
     ours = rel(full_logits(cfg, params, ids).astype(np.float32))
     assert ours < 1.5 * rel(torch_bf16), f"bf16 relative L2 {ours:.2e} vs torch {rel(torch_bf16):.2e}"
+
+
+def test_unrolled_layers_equal_scan(hf_model):
+    cfg, params = load_hf_model(hf_model("llama3")[0])
+    ids = np.arange(5, 45)
+    np.testing.assert_allclose(full_logits(cfg, llama.split_layers(params), ids),
+                               full_logits(cfg, params, ids), rtol=1e-6, atol=1e-6)
+    restacked = llama.stack_layers(llama.split_layers(params))
+    np.testing.assert_array_equal(restacked["layers"]["wq"], params["layers"]["wq"])
