@@ -62,6 +62,6 @@ def test_unrolled_layers_equal_scan(hf_model):
     cfg, params = load_hf_model(hf_model("llama3")[0])
     ids = np.arange(5, 45)
     np.testing.assert_allclose(full_logits(cfg, llama.split_layers(params), ids),
-                               full_logits(cfg, params, ids), rtol=1e-6, atol=1e-6)
+                               full_logits(cfg, params, ids), rtol=1e-5, atol=1e-5)
     restacked = llama.stack_layers(llama.split_layers(params))
     np.testing.assert_array_equal(restacked["layers"]["wq"], params["layers"]["wq"])
