@@ -3,28 +3,7 @@ import numpy as np
 import pytest
 
 from hetero_jax.ops import ragged_paged_attention, ragged_paged_attention_reference
-
-
-def random_batch(rng, q_lens, ctx_extra, hq, hkv, d, page_size, pad_tokens=3, pad_seqs=2):
-    """Sequences with q_lens new tokens after ctx_extra cached ones, on shuffled pages."""
-    kv_lens = [q + c for q, c in zip(q_lens, ctx_extra)]
-    pps = max(-(-n // page_size) for n in kv_lens)
-    num_pages = 1 + sum(-(-n // page_size) for n in kv_lens)
-    perm = rng.permutation(np.arange(1, num_pages))
-    page_indices = np.zeros((len(q_lens) + pad_seqs, pps), np.int32)
-    used = 0
-    for s, n in enumerate(kv_lens):
-        k = -(-n // page_size)
-        page_indices[s, :k] = perm[used:used + k]
-        used += k
-    t = sum(q_lens) + pad_tokens
-    cu = np.concatenate([[0], np.cumsum(q_lens), np.full(pad_seqs, sum(q_lens))]).astype(np.int32)
-    return dict(
-        q=rng.standard_normal((t, hq, d)).astype(np.float32),
-        k_pages=rng.standard_normal((num_pages, page_size, hkv, d)).astype(np.float32),
-        v_pages=rng.standard_normal((num_pages, page_size, hkv, d)).astype(np.float32),
-        kv_lens=np.array(kv_lens + [0] * pad_seqs, np.int32), page_indices=page_indices,
-        cu_q_lens=cu, num_seqs=np.int32(len(q_lens)))
+from tests.batches import random_batch
 
 
 CASES = [  # (q_lens, cached context lengths)

@@ -20,6 +20,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from hetero_jax.ops.pallas_attention import ragged_paged_attention_pallas
+
 _MASKED = -1e30
 
 
@@ -97,7 +99,11 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens
         return _ragged_paged_attention_xla(q, k_pages, v_pages, kv_lens, page_indices,
                                            cu_q_lens, num_seqs, sm_scale, max_q_len,
                                            num_multi_query_seqs)
-    raise ValueError(f"unknown attention impl {impl!r}; expected 'xla'")
+    if impl == "pallas":
+        return ragged_paged_attention_pallas(q, k_pages, v_pages, kv_lens, page_indices,
+                                             cu_q_lens, num_seqs, sm_scale=sm_scale,
+                                             interpret=interpret)
+    raise ValueError(f"unknown attention impl {impl!r}; expected 'xla' or 'pallas'")
 
 
 def ragged_paged_attention_reference(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens,
