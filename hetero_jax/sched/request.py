@@ -4,6 +4,9 @@ from __future__ import annotations
 import dataclasses
 import enum
 
+GENERATE, EMBED = "generate", "embed"  # request kinds; EMBED is also the item kind of its chunks
+REQUEST_KINDS = (EMBED, GENERATE)
+
 
 class Status(enum.Enum):
     WAITING = "waiting"
@@ -13,18 +16,20 @@ class Status(enum.Enum):
 
 @dataclasses.dataclass
 class Request:
-    """One generation request. `num_computed_tokens` catches up with `num_tokens`.
+    """One generation or embedding request. `num_computed_tokens` catches up with `num_tokens`.
 
     The tokens of the request are `prompt_token_ids + output_token_ids`; those below
-    `num_computed_tokens` have their K/V in `pages`. After a preemption the request is
-    recomputed from token 0 (prompt and output so far), so no token is lost.
+    `num_computed_tokens` have their K/V in `pages`. A generation request is recomputed from
+    token 0 after a preemption (prompt and output so far), so no token is lost. An embedding
+    request (`kind="embed"`) has no output tokens and ignores `max_tokens`; it runs as chunks,
+    holds its pages until its last chunk, and ends with `embedding` set by the runner.
     """
 
     request_id: int
     prompt_token_ids: list
-    max_tokens: int
+    max_tokens: int = 0
     stop_token_ids: frozenset = frozenset()
-    kind: str = "generate"
+    kind: str = GENERATE
     output_token_ids: list = dataclasses.field(default_factory=list)
     output_logprobs: list = dataclasses.field(default_factory=list)
     num_computed_tokens: int = 0
@@ -35,6 +40,7 @@ class Request:
     arrival_time: float = 0.0
     first_token_time: float | None = None
     finish_time: float | None = None
+    embedding: object = None  # the pooled vector of a finished embedding request
     payload: object = None  # engine-side data (sampling knobs); the scheduler never reads it
 
     @property
@@ -46,8 +52,17 @@ class Request:
         return self.num_tokens - self.num_computed_tokens
 
     @property
+    def is_embed(self) -> bool:
+        return self.kind == EMBED
+
+    @property
     def is_decoding(self) -> bool:
         return bool(self.output_token_ids) and self.num_remaining == 1
+
+    @property
+    def num_pending(self) -> int:
+        """Uncomputed input tokens: the work an IBS queue weighs (a decoding request has none)."""
+        return 0 if self.is_decoding else self.num_remaining
 
     def token_ids(self, start: int, count: int) -> list:
         n = len(self.prompt_token_ids)

@@ -1,0 +1,15 @@
+"""A discrete-event simulator of the host scheduler (pure Python, imports no jax).
+
+Runs any policy of `hetero_jax.sched` against a step-time cost model (a roofline of an
+A100-40GB or H200, or a linear model read from JSON) over a synthetic workload, with one or
+more replicas behind a least-remaining-tokens router. `sim_main(argv)` in `cli.py` is the CLI.
+"""
+from hetero_jax.sim.costmodel import (HARDWARE, MODELS, Hardware, LinearCostModel, ModelSpec,
+                                      RooflineCostModel, StepShape, load_cost_model)
+from hetero_jax.sim.simulate import SimConfig, SimResult, Simulation, percentile, simulate
+from hetero_jax.sim.workload import LengthDist, RequestSpec, WorkloadConfig, request_specs
+
+__all__ = ["HARDWARE", "MODELS", "Hardware", "LinearCostModel", "ModelSpec",
+           "RooflineCostModel", "StepShape", "load_cost_model", "SimConfig", "SimResult",
+           "Simulation", "percentile", "simulate", "LengthDist", "RequestSpec",
+           "WorkloadConfig", "request_specs"]

@@ -1,0 +1,188 @@
+"""Step-time cost models for the simulator: how long one scheduled step takes on a device.
+
+In: a `StepShape` (token counts by item kind, sequences, cached context read, attention
+query-key pairs, sampled rows), computed from a `SchedulerOutput`. Out: seconds. Imports no jax.
+
+- `RooflineCostModel` (b): max(FLOPs / (peak * mfu), bytes / (bandwidth * mbu)) + a fixed
+  per-step overhead, from a `ModelSpec` (layer shapes) and a `Hardware` (A100-40GB, H200).
+- `LinearCostModel` (a): an intercept plus a coefficient per step feature, read from JSON:
+  `{"type": "linear", "intercept_s": 1e-3, "coef_s": {"tokens": 2e-5, "context_tokens": 1e-8},
+  "token_buckets": [16, 32, 64, 128, 256]}`; with `token_buckets` the `tokens` feature is
+  padded to its bucket, as the engine pads a step. `scripts/calibrate.py` (not written yet) is
+  to fit it to step times measured on this machine.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+from hetero_jax.sched.output import DECODE, EMBED, PREFILL, SchedulerOutput
+
+FEATURES = ("tokens", "embed_tokens", "prefill_tokens", "decode_tokens", "seqs",
+            "context_tokens", "attn_pairs", "sampled")
+
+
+@dataclasses.dataclass(frozen=True)
+class StepShape:
+    embed_tokens: int = 0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    seqs: int = 0
+    context_tokens: int = 0  # sum over sequences of the KV length read (cached + new)
+    attn_pairs: int = 0  # causal query-key pairs: sum of n * start + n * (n + 1) / 2
+    sampled: int = 0  # rows that go through the LM head
+
+    @property
+    def tokens(self) -> int:
+        return self.embed_tokens + self.prefill_tokens + self.decode_tokens
+
+    @classmethod
+    def from_output(cls, out: SchedulerOutput) -> "StepShape":
+        by_kind = {EMBED: 0, PREFILL: 0, DECODE: 0}
+        context = pairs = sampled = 0
+        for it in out.items:
+            n, s = it.num_tokens, it.start
+            by_kind[it.kind] += n
+            context += s + n
+            pairs += n * s + n * (n + 1) // 2
+            sampled += it.samples
+        return cls(by_kind[EMBED], by_kind[PREFILL], by_kind[DECODE], len(out.items), context,
+                   pairs, sampled)
+
+    def features(self) -> dict:
+        return {"tokens": self.tokens, "embed_tokens": self.embed_tokens,
+                "prefill_tokens": self.prefill_tokens, "decode_tokens": self.decode_tokens,
+                "seqs": self.seqs, "context_tokens": self.context_tokens,
+                "attn_pairs": self.attn_pairs, "sampled": self.sampled}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """The shapes that set a decoder's FLOPs and bytes per step (LLaMA/Mistral layout)."""
+
+    name: str
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    bytes_per_param: int = 2  # bf16
+
+    @property
+    def layer_params(self) -> int:
+        d, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        return self.num_layers * (2 * d * q + 2 * d * kv + 3 * d * self.intermediate_size)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.bytes_per_param
+
+    @classmethod
+    def from_config(cls, cfg, name: str = "custom", bytes_per_param: int = 2) -> "ModelSpec":
+        """From any object with the fields of `hetero_jax.models.config.ModelConfig`."""
+        return cls(name, cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.num_heads,
+                   cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size, bytes_per_param)
+
+
+MODELS = {m.name: m for m in (
+    ModelSpec("mistral-7b", 32, 4096, 14336, 32, 8, 128, 32000),
+    ModelSpec("llama-3-8b", 32, 4096, 14336, 32, 8, 128, 128256),
+    ModelSpec("small", 12, 768, 3072, 12, 4, 64, 512),  # the engine's `small` preset
+)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Hardware:
+    name: str
+    peak_flops: float  # dense bf16 FLOP/s
+    bandwidth: float  # HBM bytes/s
+    memory_bytes: float
+    mfu: float = 0.6  # achievable fraction of peak FLOP/s
+    mbu: float = 0.8  # achievable fraction of peak bandwidth
+    step_overhead_s: float = 2e-4  # launch, host and sampling overhead per step
+
+
+HARDWARE = {h.name: h for h in (
+    Hardware("a100-40gb", 312e12, 1.555e12, 40e9),
+    Hardware("h200", 989e12, 4.8e12, 141e9),
+)}
+
+
+@dataclasses.dataclass(frozen=True)
+class RooflineCostModel:
+    model: ModelSpec
+    hardware: Hardware
+
+    def flops(self, s: StepShape) -> float:
+        m = self.model
+        attn = 4 * m.num_layers * m.num_heads * m.head_dim * s.attn_pairs
+        return 2 * m.layer_params * s.tokens + 2 * m.hidden_size * m.vocab_size * s.sampled + attn
+
+    def bytes(self, s: StepShape) -> float:
+        m = self.model
+        weights = m.layer_params + (m.hidden_size * m.vocab_size if s.sampled else 0)
+        return weights * m.bytes_per_param + m.kv_bytes_per_token * (s.context_tokens + s.tokens)
+
+    def step_time(self, s: StepShape) -> float:
+        if s.tokens == 0:
+            return 0.0
+        hw = self.hardware
+        compute = self.flops(s) / (hw.peak_flops * hw.mfu)
+        memory = self.bytes(s) / (hw.bandwidth * hw.mbu)
+        return max(compute, memory) + hw.step_overhead_s
+
+    def describe(self) -> str:
+        return f"roofline {self.hardware.name} / {self.model.name}"
+
+
+@dataclasses.dataclass(frozen=True)
+class LinearCostModel:
+    intercept_s: float
+    coef_s: tuple  # ((feature, seconds per unit), ...)
+    token_buckets: tuple = ()
+    source: str = ""
+
+    def __post_init__(self):
+        bad = [f for f, _ in self.coef_s if f not in FEATURES]
+        if bad:
+            raise ValueError(f"unknown cost features {bad}; expected some of {FEATURES}")
+
+    def step_time(self, s: StepShape) -> float:
+        if s.tokens == 0:
+            return 0.0
+        feats = s.features()
+        if self.token_buckets:
+            feats["tokens"] = next((b for b in self.token_buckets if b >= s.tokens), s.tokens)
+        return self.intercept_s + sum(c * feats[f] for f, c in self.coef_s)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "LinearCostModel":
+        return cls(float(d.get("intercept_s", 0.0)), tuple(sorted(d.get("coef_s", {}).items())),
+                   tuple(sorted(d.get("token_buckets", ()))), str(d.get("source", "")))
+
+    def to_dict(self) -> dict:
+        return {"type": "linear", "intercept_s": self.intercept_s, "coef_s": dict(self.coef_s),
+                "token_buckets": list(self.token_buckets), "source": self.source}
+
+    def describe(self) -> str:
+        return f"linear ({self.source or 'json'})"
+
+
+def load_cost_model(spec: str, model: str = "mistral-7b"):
+    """`roofline:<hardware>` (a100-40gb | h200) for `model`, or the path of a JSON file."""
+    if spec.startswith("roofline:"):
+        hw = spec.split(":", 1)[1]
+        if hw not in HARDWARE:
+            raise ValueError(f"unknown hardware {hw!r}; expected one of {', '.join(HARDWARE)}")
+        if model not in MODELS:
+            raise ValueError(f"unknown model {model!r}; expected one of {', '.join(MODELS)}")
+        return RooflineCostModel(MODELS[model], HARDWARE[hw])
+    with open(spec) as f:
+        d = json.load(f)
+    if d.get("type") == "roofline":
+        return load_cost_model(f"roofline:{d['hardware']}", d.get("model", model))
+    if d.get("type") != "linear":
+        raise ValueError(f"{spec}: cost model type {d.get('type')!r}; expected 'linear' or 'roofline'")
+    return LinearCostModel.from_dict(d)

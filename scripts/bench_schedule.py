@@ -1,0 +1,81 @@
+"""Host time of `Scheduler.schedule()` (and `update()`) with a deep queue, per policy.
+
+Keeps `--queued` requests waiting (topped up after every step; 80% generation, 20% embedding)
+while up to `--max-num-seqs` run, drives the scheduler with a fake runner (no model, no jax),
+and prints the mean, p50 and p99 of schedule() and update() per step. The issue's target is
+under 1 ms per schedule() with 1,000 queued requests.
+
+    python scripts/bench_schedule.py --queued 1000 --steps 2000
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+
+from hetero_jax.sched import (EMBED, GENERATE, POLICIES, Request, RunnerOutput, SampledToken,
+                              Scheduler, SchedulerConfig)
+
+
+def make_request(rid: int, rng: random.Random) -> Request:
+    if rng.random() < 0.2:
+        return Request(rid, [7] * rng.choice((96, 224)), kind=EMBED)
+    return Request(rid, [7] * rng.randint(32, 256), rng.randint(16, 256), kind=GENERATE)
+
+
+def fake_output(out) -> RunnerOutput:
+    sampled = {it.request.request_id: SampledToken(11, 0.0) for it in out.items if it.samples}
+    return RunnerOutput(sampled)
+
+
+def bench(policy: str, args) -> dict:
+    cfg = SchedulerConfig(token_budget=args.budget, chunk_size=args.chunk,
+                          max_num_seqs=args.max_num_seqs, max_chunk_seqs=args.max_chunk_seqs,
+                          page_size=16, num_pages=args.num_pages, policy=policy)
+    sched, rng, next_id = Scheduler(cfg), random.Random(0), 0
+    t_sched, t_update = [], []
+    for step in range(args.warmup + args.steps):
+        while sched.num_waiting < args.queued:
+            sched.add(make_request(next_id, rng))
+            next_id += 1
+        t0 = time.perf_counter()
+        out = sched.schedule()
+        t1 = time.perf_counter()
+        sched.update(out, fake_output(out))
+        t2 = time.perf_counter()
+        if step >= args.warmup:
+            t_sched.append(t1 - t0)
+            t_update.append(t2 - t1)
+    us = lambda xs, q: 1e6 * statistics.quantiles(xs, n=100)[q - 1]  # noqa: E731
+    return {"policy": policy, "queued": args.queued, "running": len(sched.running),
+            "schedule_mean_us": 1e6 * statistics.fmean(t_sched), "schedule_p50_us": us(t_sched, 50),
+            "schedule_p99_us": us(t_sched, 99), "update_mean_us": 1e6 * statistics.fmean(t_update)}
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--queued", type=int, default=1000)
+    p.add_argument("--steps", type=int, default=2000)
+    p.add_argument("--warmup", type=int, default=200)
+    p.add_argument("--budget", type=int, default=256)
+    p.add_argument("--chunk", type=int, default=64)
+    p.add_argument("--max-num-seqs", type=int, default=32)
+    p.add_argument("--max-chunk-seqs", type=int, default=4)
+    p.add_argument("--num-pages", type=int, default=4096)
+    p.add_argument("--policy", default=",".join(POLICIES))
+    p.add_argument("--json", help="write the results here")
+    args = p.parse_args(argv)
+    rows = [bench(name, args) for name in args.policy.split(",")]
+    print(f"{'policy':12s} {'queued':>6s} {'sched mean':>11s} {'p50':>8s} {'p99':>8s} {'update mean':>12s}")
+    for r in rows:
+        print(f"{r['policy']:12s} {r['queued']:6d} {r['schedule_mean_us']:9.1f}us "
+              f"{r['schedule_p50_us']:6.1f}us {r['schedule_p99_us']:6.1f}us {r['update_mean_us']:10.1f}us")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

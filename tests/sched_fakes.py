@@ -1,0 +1,65 @@
+"""A fake runner and request builders for the host-only scheduler tests (no jax)."""
+from __future__ import annotations
+
+from hetero_jax.sched import (EMBED, GENERATE, Request, RunnerOutput, SampledToken, Scheduler,
+                              SchedulerConfig, SchedulerOutput)
+
+
+def fake_token(req: Request) -> int:
+    """The token a fake model samples: a deterministic function of the request and position."""
+    return 3 + (req.request_id * 7919 + len(req.output_token_ids) * 31) % 997
+
+
+def fake_runner(out: SchedulerOutput) -> RunnerOutput:
+    sampled = {it.request.request_id: SampledToken(fake_token(it.request), -1.0)
+               for it in out.items if it.samples}
+    embeddings = {it.request.request_id: ("vec", it.request.request_id)
+                  for it in out.items if it.kind == EMBED and it.ends}
+    return RunnerOutput(sampled, 0.0, embeddings)
+
+
+def gen(rid: int, prompt_len: int, max_tokens: int, stop=frozenset()) -> Request:
+    return Request(rid, [1 + (rid + i) % 200 for i in range(prompt_len)], max_tokens,
+                   stop_token_ids=frozenset(stop), kind=GENERATE)
+
+
+def emb(rid: int, length: int) -> Request:
+    return Request(rid, [1 + (rid * 3 + i) % 200 for i in range(length)], kind=EMBED)
+
+
+def expected_tokens(req: Request) -> list:
+    """What the fake runner produces for a generation request run to its max_tokens."""
+    probe = Request(req.request_id, list(req.prompt_token_ids), req.max_tokens)
+    out = []
+    for _ in range(req.max_tokens):
+        tok = fake_token(probe)
+        probe.output_token_ids.append(tok)
+        out.append(tok)
+        if tok in req.stop_token_ids:
+            break
+    return out
+
+
+def drive(sched: Scheduler, arrivals: dict, max_steps: int = 100_000, on_step=None) -> list:
+    """Run until all work is done. `arrivals`: step -> [Request] added before that step.
+
+    Returns the list of (step, SchedulerOutput, finished requests).
+    """
+    trace, step, last_arrival = [], 0, max(arrivals, default=0)
+    while sched.has_work() or step <= last_arrival:
+        for req in arrivals.get(step, ()):
+            sched.add(req)
+        if sched.has_work():
+            out = sched.schedule()
+            assert out.items, f"empty step {step} with work pending"
+            finished = sched.update(out, fake_runner(out))
+            trace.append((step, out, finished))
+            if on_step is not None:
+                on_step(step, out, finished)
+        step += 1
+        assert step < max_steps, "did not finish"
+    return trace
+
+
+def config(**kw) -> SchedulerConfig:
+    return SchedulerConfig(**kw)

@@ -1,0 +1,142 @@
+"""Property tests of the host scheduler under every policy, driven by a fake runner (no jax).
+
+Random workloads (both types, random lengths, arrival steps, stop tokens) and random limits
+(budget, chunk size, sequence caps, a KV cache tight enough to preempt) check that: the budget
+and the per-step caps are never exceeded; within a type, first scheduling follows arrival
+order; every request finishes with exactly the tokens an unpreempted run produces; no page
+leaks; and IBS never starves a backlogged queue.
+"""
+import math
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hetero_jax.sched import DECODE, EMBED, GENERATE, POLICIES, Scheduler, Status
+from hetero_jax.sched.output import KIND_ORDER
+from tests.sched_fakes import config, drive, emb, expected_tokens, gen
+
+MAX_MODEL_LEN = 96
+
+
+@st.composite
+def scenarios(draw, policies=tuple(POLICIES)):
+    page_size = draw(st.sampled_from([1, 2, 4, 16]))
+    specs = draw(st.lists(st.tuples(
+        st.sampled_from([EMBED, GENERATE]), st.integers(1, 64), st.integers(1, 12),
+        st.integers(0, 12), st.booleans()), min_size=1, max_size=12))
+    requests, arrivals = [], {}
+    for rid, (kind, length, max_tokens, arrival, stops) in enumerate(specs):
+        stop = {3 + (rid * 7919 + 31 * 2) % 997} if stops else ()  # stops at the third token
+        req = emb(rid, length) if kind == EMBED else gen(rid, length, max_tokens, stop)
+        requests.append(req)
+        arrivals.setdefault(arrival, []).append(req)
+    largest = max(-(-min(len(r.prompt_token_ids) + r.max_tokens, MAX_MODEL_LEN) // page_size)
+                  for r in requests)
+    cfg = config(policy=draw(st.sampled_from(policies)), token_budget=draw(st.integers(1, 96)),
+                 chunk_size=draw(st.integers(1, 48)), max_num_seqs=draw(st.integers(1, 8)),
+                 max_chunk_seqs=draw(st.integers(1, 4)), page_size=page_size,
+                 num_pages=largest + 1 + draw(st.integers(0, 2 * largest)),
+                 max_model_len=MAX_MODEL_LEN)
+    return cfg, requests, arrivals
+
+
+def check_step(sched, out, first_order):
+    cfg = sched.cfg
+    assert out.num_tokens <= cfg.token_budget, f"{out.num_tokens=} > {cfg.token_budget=}"
+    assert sum(it.kind != DECODE for it in out.items) <= cfg.max_chunk_seqs
+    assert len(out.items) <= cfg.max_num_seqs
+    assert [KIND_ORDER[it.kind] for it in out.items] == sorted(KIND_ORDER[it.kind] for it in out.items)
+    assert len({it.request.request_id for it in out.items}) == len(out.items)
+    for it in out.items:
+        assert 1 <= it.num_tokens <= (1 if it.kind == DECODE else cfg.chunk_size)
+        assert it.kind != EMBED or not it.samples, "an embedding chunk samples"
+        first_order[it.request.kind].setdefault(it.request.request_id, None)
+
+
+def check_state(sched):
+    held = [p for r in sched.running for p in r.pages]
+    assert len(held) == len(set(held)), "a page is held twice"
+    assert len(held) + sched.pages.num_free == sched.cfg.num_pages - 1, "pages leaked"
+    for kind, queue in sched.waiting.items():
+        assert all(r.pages == [] and r.num_computed_tokens == 0 for r in queue)
+        total = sum(r.num_pending for r in sched.requests.values() if r.kind == kind)
+        assert sched.pending[kind] == total, f"{kind}: {sched.pending[kind]=} != {total=}"
+    for r in sched.running:
+        if r.kind == EMBED:  # an embedding holds the pages of its whole input until it ends
+            assert len(r.pages) == -(-r.num_tokens // sched.cfg.page_size)
+
+
+@settings(max_examples=500, deadline=None)
+@given(scenarios())
+def test_every_request_finishes_within_the_limits_and_loses_nothing(scenario):
+    cfg, requests, arrivals = scenario
+    sched = Scheduler(cfg)
+    first_order = {EMBED: {}, GENERATE: {}}
+
+    def on_step(step, out, finished):
+        check_step(sched, out, first_order)
+        check_state(sched)
+    drive(sched, arrivals, max_steps=20_000, on_step=on_step)
+    arrival_order = sorted(requests, key=lambda r: min(s for s, rs in arrivals.items() if r in rs))
+    for kind in (EMBED, GENERATE):
+        want = [r.request_id for r in arrival_order if r.kind == kind]
+        assert list(first_order[kind]) == want, f"{kind} first scheduled out of arrival order"
+    for r in requests:
+        assert r.status is Status.FINISHED and r.pages == []
+        if r.kind == EMBED:
+            assert (r.finish_reason, r.embedding) == ("embedded", ("vec", r.request_id))
+            assert r.num_computed_tokens == r.num_tokens and r.output_token_ids == []
+        else:
+            want = expected_tokens(r)[:MAX_MODEL_LEN - len(r.prompt_token_ids)]
+            assert r.output_token_ids == want, f"request {r.request_id} lost or changed tokens"
+            assert r.finish_reason in ("stop", "length")
+    assert not sched.has_work() and not sched.requests and sched.pending == {EMBED: 0, GENERATE: 0}
+    assert sched.pages.num_free == cfg.num_pages - 1
+
+
+def record_picks(sched):
+    """Log (weights of the live types, chosen type) of every selection that was served."""
+    log, pick, undo = [], sched.policy.pick, sched.policy.undo
+
+    def logged_pick(heads, weights):
+        kind = pick(heads, weights)
+        log.append(({k: weights[k] for k in heads}, kind))
+        return kind
+
+    def logged_undo(kind):
+        undo(kind)
+        log.pop()
+    sched.policy.pick, sched.policy.undo = logged_pick, logged_undo
+    return log
+
+
+@settings(max_examples=300, deadline=None)
+@given(scenarios(policies=("ibs",)))
+def test_ibs_never_starves_a_backlogged_queue(scenario):
+    """While both types have work, a type waits at most (W0 + W) / (2 w) + 1 selections.
+
+    With credits x and -x, a contested selection not given to type t raises x by its weight
+    w_t, and t wins once 2x >= w_other - w_t; t's last win left x >= -W0 / 2 (W0: the total
+    weight then). A type whose head could not run is not contested, and keeps its credit.
+    """
+    cfg, requests, arrivals = scenario
+    sched = Scheduler(cfg)
+    log = record_picks(sched)
+    drive(sched, arrivals, max_steps=20_000)
+    for t in (EMBED, GENERATE):
+        debt, run, min_w, max_w = 0, 0, math.inf, 0
+        for weights, kind in log:
+            if len(weights) < 2:
+                continue
+            if kind == t:
+                debt, run, min_w, max_w = sum(weights.values()), 0, math.inf, 0
+            else:
+                run, min_w = run + 1, min(min_w, weights[t])
+                max_w = max(max_w, sum(weights.values()))
+                bound = math.ceil((debt + max_w) / (2 * min_w)) + 1
+                assert run <= bound, f"{t} waited {run} > {bound} contested selections"
+    assert all(r.finish_reason for r in requests)
+
+
+def test_kind_order_is_embed_prefill_decode():
+    assert sorted(KIND_ORDER, key=KIND_ORDER.get) == [EMBED, "prefill", DECODE]

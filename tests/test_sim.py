@@ -1,0 +1,188 @@
+"""The simulator (no jax): cost models by hand, workloads, the event loop, the CLI, scripts."""
+import importlib.util
+import json
+import pathlib
+import random
+import sys
+
+import pytest
+
+from hetero_jax.sched import (DECODE, EMBED, GENERATE, PREFILL, Request, ScheduledItem,
+                              SchedulerConfig, SchedulerOutput)
+from hetero_jax.sim import (HARDWARE, Hardware, LengthDist, LinearCostModel, ModelSpec,
+                            RooflineCostModel, SimConfig, StepShape, WorkloadConfig,
+                            load_cost_model, percentile, request_specs, simulate)
+from hetero_jax.sim.cli import sim_main
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def load_script(name):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_step_shape_counts_tokens_context_and_pairs():
+    e, p, d = (Request(0, [1] * 40, kind=EMBED), Request(1, [1] * 20, 5),
+               Request(2, [1] * 8, 5, output_token_ids=[3, 4]))
+    out = SchedulerOutput([ScheduledItem(e, EMBED, 32, 8), ScheduledItem(p, PREFILL, 16, 4),
+                           ScheduledItem(d, DECODE, 9, 1)], [])
+    s = StepShape.from_output(out)
+    assert (s.embed_tokens, s.prefill_tokens, s.decode_tokens, s.tokens) == (8, 4, 1, 13)
+    assert (s.seqs, s.context_tokens, s.sampled) == (3, 40 + 20 + 10, 2)
+    assert s.attn_pairs == (8 * 32 + 36) + (4 * 16 + 10) + (9 + 1)
+
+
+def test_roofline_hand_computed():
+    m = ModelSpec("toy", num_layers=2, hidden_size=8, intermediate_size=16, num_heads=2,
+                  num_kv_heads=1, head_dim=4, vocab_size=10, bytes_per_param=2)
+    assert m.layer_params == 2 * (2 * 8 * 8 + 2 * 8 * 4 + 3 * 8 * 16)
+    assert m.kv_bytes_per_token == 2 * 2 * 1 * 4 * 2
+    hw = Hardware("toy", peak_flops=1e6, bandwidth=1e5, memory_bytes=1e9, mfu=0.5, mbu=0.5,
+                  step_overhead_s=0.01)
+    cost = RooflineCostModel(m, hw)
+    s = StepShape(decode_tokens=1, seqs=1, context_tokens=10, attn_pairs=10, sampled=1)
+    flops = 2 * 1152 * 1 + 2 * 8 * 10 + 4 * 2 * 2 * 4 * 10
+    byts = (1152 + 80) * 2 + 32 * (10 + 1)
+    assert cost.flops(s) == flops and cost.bytes(s) == byts
+    assert cost.step_time(s) == pytest.approx(max(flops / 5e5, byts / 5e4) + 0.01)
+    assert cost.step_time(StepShape()) == 0.0
+
+
+def test_roofline_decode_is_memory_bound_and_a_full_prefill_compute_bound_on_a100():
+    cost = load_cost_model("roofline:a100-40gb", "mistral-7b")
+    decode = StepShape(decode_tokens=32, seqs=32, context_tokens=32 * 512, attn_pairs=32 * 512,
+                       sampled=32)
+    prefill = StepShape(prefill_tokens=2048, seqs=4, context_tokens=2048,
+                        attn_pairs=4 * 512 * 513 // 2, sampled=4)
+    hw = HARDWARE["a100-40gb"]
+    assert cost.bytes(decode) / (hw.bandwidth * hw.mbu) > cost.flops(decode) / (hw.peak_flops * hw.mfu)
+    assert cost.flops(prefill) / (hw.peak_flops * hw.mfu) > cost.bytes(prefill) / (hw.bandwidth * hw.mbu)
+    h200 = load_cost_model("roofline:h200", "mistral-7b")
+    assert h200.step_time(decode) < cost.step_time(decode) / 2
+
+
+def test_linear_cost_model_json_round_trip_and_token_buckets(tmp_path):
+    path = tmp_path / "cost.json"
+    path.write_text(json.dumps({"type": "linear", "intercept_s": 0.001,
+                                "coef_s": {"tokens": 1e-5, "context_tokens": 1e-7},
+                                "token_buckets": [16, 32, 64]}))
+    cost = load_cost_model(str(path))
+    assert isinstance(cost, LinearCostModel)
+    s = StepShape(prefill_tokens=20, seqs=1, context_tokens=100)
+    assert cost.step_time(s) == pytest.approx(0.001 + 32 * 1e-5 + 100 * 1e-7)
+    assert LinearCostModel.from_dict(cost.to_dict()) == cost
+    with pytest.raises(ValueError, match="unknown cost features"):
+        LinearCostModel.from_dict({"coef_s": {"flops": 1.0}})
+    with pytest.raises(ValueError, match="hardware"):
+        load_cost_model("roofline:tpu")
+    path.write_text(json.dumps({"type": "magic"}))
+    with pytest.raises(ValueError, match="magic"):
+        load_cost_model(str(path))
+
+
+def test_length_specs():
+    assert LengthDist.parse("128").mean == 128
+    assert LengthDist.parse("96,224").mean == 160
+    assert LengthDist.parse("96:0.55,224:0.45").mean == pytest.approx(96 * 0.55 + 224 * 0.45)
+    d = LengthDist.parse("64-256")
+    assert d.mean == 160
+    rng = random.Random(0)
+    assert all(64 <= d.sample(rng) <= 256 for _ in range(100))
+    for bad in ("0", "abc", "10-5", "5:x"):
+        with pytest.raises(ValueError, match="length spec"):
+            LengthDist.parse(bad)
+
+
+def test_workload_mix_and_order():
+    wl = WorkloadConfig(num_requests=10, embed_frac=0.3, order="gen-first")
+    specs = request_specs(wl)
+    assert [s.kind for s in specs] == [GENERATE] * 7 + [EMBED] * 3
+    assert all(s.max_tokens == 0 for s in specs if s.kind == EMBED)
+    assert request_specs(wl) == specs, "seeded"
+
+
+def test_percentile():
+    assert percentile([], 50) is None
+    assert percentile([3.0], 99) == 3.0
+    assert percentile([1, 2, 3, 4], 50) == 2.5
+
+
+def small_sim(policy="ibs", **wl):
+    sched = SchedulerConfig(policy=policy, token_budget=128, chunk_size=32, max_num_seqs=32,
+                            max_chunk_seqs=4, num_pages=4096, max_model_len=1024)
+    workload = WorkloadConfig(**{"num_requests": 60, "gen_output": LengthDist((32,)),
+                                 "rate": 50.0, **wl})
+    return sched, workload
+
+
+@pytest.mark.parametrize("policy", ["ibs", "fcfs", "homogeneous"])
+def test_simulation_completes_every_request_and_accounts_tokens(policy):
+    sched, workload = small_sim(policy)
+    cost = load_cost_model("roofline:h200")
+    r = simulate(SimConfig(sched, workload), cost)
+    g, e = r.per_type[GENERATE], r.per_type[EMBED]
+    assert g["completed"] + e["completed"] == 60 and e["completed"] == 12
+    assert 0 < r.avg_budget_fill <= 1 and 0 < r.embed_token_share < 1
+    assert r.busy_s <= r.makespan_s + 1e-12
+    assert g["ttft_p50_s"] <= g["latency_p50_s"] and g["latency_p50_s"] <= g["latency_p99_s"]
+    assert e["ttft_p99_s"] == e["latency_p99_s"], "an embedding's first result is its vector"
+    assert simulate(SimConfig(sched, workload), cost).to_dict() == r.to_dict(), "deterministic"
+
+
+def test_closed_loop_and_replicas():
+    sched, workload = small_sim(arrival="closed", clients=4)
+    cost = load_cost_model("roofline:a100-40gb")
+    one = simulate(SimConfig(sched, workload, replicas=1), cost)
+    assert one.per_type[GENERATE]["completed"] + one.per_type[EMBED]["completed"] == 60
+    sched, burst = small_sim(arrival="burst")
+    r1 = simulate(SimConfig(sched, burst, replicas=1), cost)
+    r2 = simulate(SimConfig(sched, burst, replicas=2), cost)
+    assert r2.makespan_s < 0.7 * r1.makespan_s, "two replicas share a burst"
+
+
+def test_head_of_line_burst_ibs_serves_embeddings_before_fcfs():
+    """Generation first, then embeddings, all at time 0: FCFS makes embeddings wait."""
+    cost = load_cost_model("roofline:h200")
+    p50 = {}
+    for policy in ("ibs", "fcfs"):
+        sched, wl = small_sim(policy, arrival="burst", order="gen-first", embed_frac=0.5)
+        p50[policy] = simulate(SimConfig(sched, wl), cost).per_type[EMBED]["latency_p50_s"]
+    assert p50["ibs"] < 0.8 * p50["fcfs"]
+
+
+def test_sim_cli_prints_and_writes_json(tmp_path, capsys):
+    path = tmp_path / "sim.json"
+    results = sim_main(["--policy", "all", "--requests", "40", "--gen-output", "16",
+                        "--arrival", "burst", "--json", str(path)])
+    assert set(results) == {"ibs", "fcfs", "homogeneous"}
+    printed = capsys.readouterr().out
+    assert "fill" in printed and "homogeneous" in printed
+    data = json.loads(path.read_text())
+    assert set(data["results"]) == set(results) and data["config"]["requests"] == 40
+    assert {"avg_budget_fill", "embed_token_share", "per_type"} <= set(data["results"]["ibs"])
+    with pytest.raises(SystemExit):
+        sim_main(["--policy", "dedicated"])
+    with pytest.raises(SystemExit):
+        sim_main(["--gen-prompt", "x"])
+
+
+def test_packing_sim_chunked_fills_the_budget(tmp_path):
+    path = tmp_path / "packing.json"
+    packing = load_script("packing_sim")
+    packing.main(["--steps", "3000", "--warmup", "500", "--json", str(path)])
+    res = json.loads(path.read_text())
+    assert set(res) == {"atomic", "chunked"}
+    for r in res.values():
+        assert {"budget_fill", "gen_throughput", "embed_throughput"} <= set(r)
+    assert res["chunked"]["budget_fill"] >= 0.8
+    assert res["chunked"]["budget_fill"] >= 1.5 * res["atomic"]["budget_fill"]
+
+
+def test_bench_schedule_runs(capsys):
+    bench = load_script("bench_schedule")
+    bench.main(["--queued", "50", "--steps", "20", "--warmup", "5"])
+    assert "ibs" in capsys.readouterr().out
