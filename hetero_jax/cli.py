@@ -1,8 +1,10 @@
 """The `hetero-jax` command line.
 
     hetero-jax generate [--preset small | --model DIR] [--num-prompts N] [--max-tokens N] ...
+    hetero-jax sim [--policy ibs] [--cost roofline:h200] ...
 
-`generate` runs a batch generation with a progress bar and prints a throughput summary.
+`generate` runs a batch generation with a progress bar and prints a throughput summary;
+`sim` runs a scheduling policy in the discrete-event simulator (`hetero_jax.sim`).
 """
 from __future__ import annotations
 
@@ -83,6 +85,8 @@ def cmd_generate(args) -> int:
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="hetero-jax", description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="command", required=True)
+    sub.add_parser("sim", help="simulate a scheduling policy against a cost model "
+                   "(hetero-jax sim --help)", add_help=False)
     g = sub.add_parser("generate", help="batch generation with a throughput summary")
     g.add_argument("--preset", default="small", help="embedded model: tiny or small")
     g.add_argument("--model", default=None, help="local Hugging Face directory (overrides --preset)")
@@ -101,6 +105,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["sim"]:  # host-only: no jax import
+        from hetero_jax.sim.cli import sim_main
+        sim_main(argv[1:])
+        return 0
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
