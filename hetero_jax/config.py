@@ -1,8 +1,8 @@
 """Engine configuration (static, hashable) and the one bucketing helper.
 
-Every jitted step sees shapes from the bucket lists here: total tokens T, sequences S (tied to
-T: `min(T, max_num_seqs)`), multi-token sequences Sc, and pages per sequence. `variants()`
-enumerates them all, so `Engine.warmup()` can compile every one up front.
+Every jitted step sees shapes from the bucket lists here: total tokens T, sequences S,
+multi-token sequences Sc, and pages per sequence. `variants()` enumerates every reachable
+combination, so `Engine.warmup()` can compile every one up front.
 """
 from __future__ import annotations
 
@@ -20,11 +20,12 @@ def pad_to_bucket(n: int, buckets: tuple) -> int:
     raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
 
 
-def _powers_of_two(lo: int, hi: int) -> tuple:
+def _powers_of_two(lo: int, hi: int, factor: int = 2) -> tuple:
+    """lo, lo * factor, ... below hi, then hi."""
     out, b = [], lo
     while b < hi:
         out.append(b)
-        b *= 2
+        b *= factor
     return tuple(out) + (hi,)
 
 
@@ -44,7 +45,8 @@ class EngineConfig:
     attention_impl: str = "auto"  # auto | xla | pallas
     layer_loop: str = "auto"  # auto (unrolled on CPU, scan elsewhere) | scan | unrolled
     token_buckets: tuple | None = None  # None: powers of two from 16 up to token_budget
-    page_buckets: tuple | None = None  # None: powers of two from 4 up to max_model_len pages
+    seq_buckets: tuple | None = None  # None: powers of two from 8 up to max_num_seqs
+    page_buckets: tuple | None = None  # None: powers of four from 4 up to max_model_len pages
     chunk_seq_buckets: tuple | None = None  # None: (0, 1, max_chunk_seqs)
     seed: int = 0
 
@@ -75,20 +77,26 @@ class EngineConfig:
             raise ValueError(f"num_pages={num_pages} must exceed the {pages_per_seq} pages "
                              f"of one max_model_len={max_len} sequence (page 0 is scratch)")
         tokens = self.token_buckets or _powers_of_two(min(16, self.token_budget), self.token_budget)
-        return dataclasses.replace(
+        cfg = dataclasses.replace(
             self, max_model_len=max_len, num_pages=num_pages,
             token_buckets=tuple(sorted(tokens)),
+            seq_buckets=tuple(sorted(self.seq_buckets or _powers_of_two(
+                min(8, self.max_num_seqs), self.max_num_seqs))),
             page_buckets=tuple(sorted(self.page_buckets or _powers_of_two(
-                min(4, pages_per_seq), pages_per_seq))),
+                min(4, pages_per_seq), pages_per_seq, factor=4))),
             chunk_seq_buckets=tuple(sorted(self.chunk_seq_buckets or {0, 1, self.max_chunk_seqs})))
+        for name, need in (("token_buckets", self.token_budget), ("seq_buckets", self.max_num_seqs),
+                           ("page_buckets", pages_per_seq),
+                           ("chunk_seq_buckets", self.max_chunk_seqs)):
+            if getattr(cfg, name)[-1] < need:
+                raise ValueError(f"{name}={getattr(cfg, name)} must reach {need}")
+        return cfg
 
-    def num_seqs_bucket(self, num_tokens_bucket: int) -> int:
-        return min(num_tokens_bucket, self.max_num_seqs)
-
-    def variants(self):
-        """Every (T, S, Sc, pages_per_seq) a step can have."""
-        for t, sc, p in itertools.product(self.token_buckets, self.chunk_seq_buckets,
-                                          self.page_buckets):
-            s = self.num_seqs_bucket(t)
-            if sc <= s:
-                yield t, s, sc, p
+    def variants(self) -> list:
+        """Every reachable (T, S, Sc, pages_per_seq): S sequences need at least S tokens."""
+        out = set()
+        for t, s, sc, p in itertools.product(self.token_buckets, self.seq_buckets,
+                                             self.chunk_seq_buckets, self.page_buckets):
+            if s <= pad_to_bucket(min(t, self.max_num_seqs), self.seq_buckets):
+                out.add((t, s, min(sc, s), p))
+        return sorted(out)

@@ -66,8 +66,8 @@ def pack_batch(out: SchedulerOutput, cfg: EngineConfig) -> tuple[tuple, StepBatc
     items = out.items
     n_tok = out.num_tokens
     t = pad_to_bucket(n_tok, cfg.token_buckets)
-    s = cfg.num_seqs_bucket(t)
-    sc = pad_to_bucket(sum(it.kind != DECODE for it in items), cfg.chunk_seq_buckets)
+    s = pad_to_bucket(len(items), cfg.seq_buckets)
+    sc = min(pad_to_bucket(sum(it.kind != DECODE for it in items), cfg.chunk_seq_buckets), s)
     p = pad_to_bucket(max(len(it.request.pages) for it in items), cfg.page_buckets)
     tokens, positions, slots = (np.zeros(t, np.int32) for _ in range(3))
     kv_lens, sample_rows, top_k, step_idx = (np.zeros(s, np.int32) for _ in range(4))

@@ -83,7 +83,8 @@ def main(argv=None):
     cfg = EngineConfig(token_budget=max(max(batches), args.chunk), chunk_size=args.chunk,
                        max_num_seqs=max(batches), max_chunk_seqs=1, max_model_len=1024,
                        token_buckets=tuple(sorted(set(batches + [args.chunk]))),
-                       page_buckets=(16, 64), chunk_seq_buckets=(0, 1))
+                       seq_buckets=tuple(sorted(set(batches))), page_buckets=(16, 64),
+                       chunk_seq_buckets=(0, 1))
     engine = Engine.from_preset(args.preset, config=cfg)
     flops_peak, bw = measure_peaks(args.repeats)
     print(f"{args.preset}: {engine.model_cfg.num_params / 1e6:.1f}M params; measured peaks: "

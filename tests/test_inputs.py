@@ -8,7 +8,7 @@ import pytest
 from hetero_jax import Engine, EngineConfig, SamplingParams
 from hetero_jax.models.loading import load_hf_model
 
-CFG = EngineConfig(max_model_len=128, token_buckets=(16, 64), page_buckets=(8,))
+CFG = EngineConfig(token_budget=64, max_model_len=128, token_buckets=(16, 64), page_buckets=(8,))
 
 
 @pytest.fixture(scope="module")

@@ -47,7 +47,7 @@ def test_temperature_one_follows_the_distribution():
 
 
 def test_seeded_sampling_is_reproducible_and_batch_independent():
-    engine = Engine.from_preset("tiny", config=EngineConfig(max_model_len=256, token_buckets=(16, 64)))
+    engine = Engine.from_preset("tiny", config=EngineConfig(token_budget=64, max_model_len=256, token_buckets=(16, 64)))
     sp = SamplingParams(max_tokens=12, temperature=1.0, seed=123)
     alone = engine.generate(["hello"], sp, use_tqdm=False)[0].token_ids
     batch = engine.generate(["other prompt", "hello", "x"], [SamplingParams(max_tokens=5), sp, sp],
