@@ -61,6 +61,7 @@ class EngineStats:
     step_time_s: float = 0.0
     preemptions: int = 0
     compiles: int = 0
+    compile_s: float = 0.0  # part of step_time_s spent compiling new variants
 
 
 class Engine:
@@ -157,7 +158,7 @@ class Engine:
         s.generated_tokens += len(runner_out.sampled)
         s.step_time_s += runner_out.step_time
         s.preemptions += len(out.preempted)
-        s.compiles = self.runner.compiles
+        s.compiles, s.compile_s = self.runner.compiles, self.runner.compile_s
 
     # -- requests ----------------------------------------------------------------------------
     def _tokenize(self, index: int, prompt) -> list:

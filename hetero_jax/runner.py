@@ -115,6 +115,7 @@ class Runner:
         self.impl = ("pallas" if backend == "gpu" else "xla") if impl == "auto" else impl
         self.interpret = self.impl == "pallas" and backend != "gpu"  # Pallas off-GPU: interpret
         self._executables: dict = {}
+        self.compile_s = 0.0
 
     @property
     def compiles(self) -> int:
@@ -122,6 +123,7 @@ class Runner:
 
     def executable(self, key: tuple):
         if key not in self._executables:
+            start = time.perf_counter()
             t, s, sc, p = key
             fn = jax.jit(functools.partial(
                 step, model_cfg=self.model_cfg, max_q_len=min(self.cfg.chunk_size, t),
@@ -129,6 +131,7 @@ class Runner:
                 interpret=self.interpret),
                 donate_argnums=(1,))
             self._executables[key] = fn.lower(self.params, self.kv, batch_spec(t, s, p)).compile()
+            self.compile_s += time.perf_counter() - start
         return self._executables[key]
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
