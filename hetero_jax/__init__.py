@@ -7,7 +7,10 @@ import importlib
 _EXPORTS = {
     "Engine": "hetero_jax.engine",
     "GenerateRequest": "hetero_jax.engine",
+    "EmbedRequest": "hetero_jax.engine",
     "RequestOutput": "hetero_jax.engine",
+    "EmbeddingOutput": "hetero_jax.engine",
+    "PoolingParams": "hetero_jax.params",
     "EngineConfig": "hetero_jax.config",
     "SamplingParams": "hetero_jax.params",
 }

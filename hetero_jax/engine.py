@@ -1,9 +1,9 @@
 """The synchronous engine: validate requests, then loop schedule -> runner step -> update.
 
-In: prompts (strings or token-id lists) with `SamplingParams`. Out: `RequestOutput`s in input
-order. Everything a request could fail on is checked before any step runs, so a bad input
+In: prompts (strings or token-id lists) with `SamplingParams`, inputs with `PoolingParams`.
+Out: `RequestOutput`s / `EmbeddingOutput`s (or an `[N, d]` array from `embed`) in input order. Everything a request could fail on is checked before any step runs, so a bad input
 raises at once and the engine stays usable. One thread; the scheduler runs on the host between
-device steps.
+device steps. Generation and embedding requests share the same steps (`run`).
 """
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from tqdm.auto import tqdm
 
 from hetero_jax import checkpoint
@@ -20,9 +21,10 @@ from hetero_jax.models import llama
 from hetero_jax.models.config import ModelConfig
 from hetero_jax.models.loading import load_hf_model
 from hetero_jax.models.presets import preset_config
-from hetero_jax.params import SamplingParams
+from hetero_jax.params import (POOLING_KINDS, EmbedKnobs, GenKnobs, PoolingParams,
+                               SamplingParams)
 from hetero_jax.runner import Runner
-from hetero_jax.sched import Request, Scheduler, SchedulerConfig
+from hetero_jax.sched import EMBED, Request, Scheduler, SchedulerConfig
 from hetero_jax.tokenizer import ByteTokenizer, load_tokenizer
 
 
@@ -33,13 +35,18 @@ class GenerateRequest:
 
 
 @dataclasses.dataclass(frozen=True)
-class RequestKnobs:
-    """Host copy of one request's sampling knobs; the runner packs them into arrays."""
-    temperature: float
-    top_k: int
-    top_p: float
-    seed: int
-    logprobs: int | None
+class EmbedRequest:
+    input: str | list
+    params: PoolingParams = PoolingParams()
+
+
+@dataclasses.dataclass
+class EmbeddingOutput:
+    request_id: int
+    prompt_token_ids: list
+    embedding: np.ndarray  # [d]
+    finish_reason: str
+    metrics: dict  # arrival_time, finish_time, latency_s
 
 
 @dataclasses.dataclass
@@ -119,8 +126,20 @@ class Engine:
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
         return self.run([GenerateRequest(p, sp) for p, sp in zip(prompts, params)], use_tqdm)
 
+    def embed(self, inputs, params: PoolingParams | list | None = None,
+              use_tqdm: bool = True) -> np.ndarray:
+        """Embed strings or token-id lists; returns `[N, d]` in input order."""
+        inputs = [inputs] if isinstance(inputs, str) else list(inputs)
+        if params is None or isinstance(params, PoolingParams):
+            params = [params or PoolingParams()] * len(inputs)
+        if len(params) != len(inputs):
+            raise ValueError(f"got {len(params)} PoolingParams for {len(inputs)} inputs")
+        outs = self.run([EmbedRequest(x, p) for x, p in zip(inputs, params)], use_tqdm)
+        return np.stack([o.embedding for o in outs])
+
     def run(self, requests: list, use_tqdm: bool = True) -> list:
-        """Serve a list of requests together; outputs come back in input order."""
+        """Serve a mix of GenerateRequest and EmbedRequest together in heterogeneous steps;
+        outputs (RequestOutput / EmbeddingOutput) come back in input order."""
         reqs = [self._make_request(i, r) for i, r in enumerate(requests)]
         for req in reqs:
             self.scheduler.add(req)
@@ -131,6 +150,7 @@ class Engine:
             bar.close()
             for req in reqs:
                 self.scheduler.abort(req.request_id)  # no-op for finished ones
+                self.runner.release(req.request_id)
         return [self._output(req) for req in reqs]
 
     def _loop(self, bar) -> None:
@@ -140,7 +160,7 @@ class Engine:
             assert out.items, "scheduler produced an empty step while requests are pending"
             runner_out = self.runner.execute(out)
             now = time.perf_counter()
-            for rid in runner_out.sampled:
+            for rid in list(runner_out.sampled) + list(runner_out.embeddings):
                 req = self.scheduler.requests[rid]
                 req.first_token_time = req.first_token_time or now
             finished = self.scheduler.update(out, runner_out)
@@ -161,38 +181,63 @@ class Engine:
         s.compiles, s.compile_s = self.runner.compiles, self.runner.compile_s
 
     # -- requests ----------------------------------------------------------------------------
-    def _tokenize(self, index: int, prompt) -> list:
-        if isinstance(prompt, str):
+    def _tokenize(self, index: int, text, kind: str = "prompt") -> list:
+        """A string or token-id list -> checked token ids; `kind` names it in errors."""
+        if isinstance(text, str):
             if self.tokenizer is None:
-                raise ValueError(f"prompt {index} is a string but the model has no tokenizer; "
+                raise ValueError(f"{kind} {index} is a string but the model has no tokenizer; "
                                  "pass token ids")
-            ids = self.tokenizer.encode(prompt)
+            ids = self.tokenizer.encode(text) if text else []
         else:
-            ids = [int(t) for t in prompt]
-        if not ids or (isinstance(prompt, str) and not prompt):
-            raise ValueError(f"prompt {index} is empty")
+            ids = [int(t) for t in text]
+        if not ids:
+            raise ValueError(f"{kind} {index} is empty")
         bad = [t for t in ids if not 0 <= t < self.model_cfg.vocab_size]
         if bad:
-            raise ValueError(f"prompt {index}: token id {bad[0]} outside [0, {self.model_cfg.vocab_size})")
-        if len(ids) >= self.config.max_model_len:
-            raise ValueError(f"prompt {index} has {len(ids)} tokens; max_model_len="
-                             f"{self.config.max_model_len} leaves no room to generate")
+            raise ValueError(f"{kind} {index}: token id {bad[0]} outside "
+                             f"[0, {self.model_cfg.vocab_size})")
         return ids
 
-    def _make_request(self, index: int, r: GenerateRequest) -> Request:
+    def _make_request(self, index: int, r) -> Request:
+        rid, self._next_id = self._next_id, self._next_id + 1
+        if isinstance(r, EmbedRequest):
+            return self._make_embed_request(index, rid, r)
+        if not isinstance(r, GenerateRequest):
+            raise ValueError(f"request {index} is a {type(r).__name__}; expected "
+                             "GenerateRequest or EmbedRequest")
         sp = r.params
         if sp.logprobs is not None and sp.logprobs > self.config.max_logprobs:
             raise ValueError(f"logprobs={sp.logprobs} exceeds max_logprobs={self.config.max_logprobs}")
         ids = self._tokenize(index, r.prompt)
+        if len(ids) >= self.config.max_model_len:
+            raise ValueError(f"prompt {index} has {len(ids)} tokens; max_model_len="
+                             f"{self.config.max_model_len} leaves no room to generate")
         eos = () if sp.ignore_eos else self.model_cfg.eos_token_ids
-        rid, self._next_id = self._next_id, self._next_id + 1
         seed = sp.seed if sp.seed is not None else (self.config.seed * 1_000_003 + rid) % 2**32
         return Request(request_id=rid, prompt_token_ids=ids, max_tokens=sp.max_tokens,
                        stop_token_ids=frozenset(sp.stop_token_ids) | frozenset(eos),
                        arrival_time=time.perf_counter(),
-                       payload=RequestKnobs(sp.temperature, sp.top_k, sp.top_p, seed, sp.logprobs))
+                       payload=GenKnobs(sp.temperature, sp.top_k, sp.top_p, seed, sp.logprobs))
 
-    def _output(self, req: Request) -> RequestOutput:
+    def _make_embed_request(self, index: int, rid: int, r: EmbedRequest) -> Request:
+        pp, limit = r.params, self.config.max_model_len
+        ids = self._tokenize(index, r.input, "input")
+        if len(ids) > limit:
+            if not pp.truncate:
+                raise ValueError(f"input {index} has {len(ids)} tokens > max_model_len={limit} "
+                                 "(PoolingParams(truncate=True) keeps the first ones)")
+            ids = ids[:limit]
+        return Request(request_id=rid, prompt_token_ids=ids, kind=EMBED,
+                       arrival_time=time.perf_counter(),
+                       payload=EmbedKnobs(POOLING_KINDS.index(pp.pooling), pp.normalize))
+
+    def _output(self, req: Request):
+        if req.is_embed:
+            latency = None if req.finish_time is None else req.finish_time - req.arrival_time
+            return EmbeddingOutput(req.request_id, req.prompt_token_ids, req.embedding,
+                                   req.finish_reason, dict(arrival_time=req.arrival_time,
+                                                           finish_time=req.finish_time,
+                                                           latency_s=latency))
         k = req.payload.logprobs
         logprobs = None if k is None else [
             {"logprob": t.logprob, "top": list(zip(t.top_token_ids[:k], t.top_logprobs[:k]))}

@@ -31,3 +31,46 @@ class SamplingParams:
         if self.logprobs is not None and self.logprobs < 0:
             raise ValueError(f"logprobs={self.logprobs!r} must be >= 0")
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+
+
+POOLING_KINDS = ("mean", "weighted_mean", "cls", "last")
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolingParams:
+    """How one embedding request pools its final hidden states (after the final norm).
+
+    `mean` and `weighted_mean` (token j weighted by j, 1-based, as in SGPT) average over the
+    input; `cls` takes the first token, `last` the last one. `truncate=True` keeps the first
+    `max_model_len` tokens of a longer input instead of rejecting it. `adapter` names a LoRA
+    embedding adapter loaded with the engine (None: the engine's default adapter, if any).
+    """
+
+    pooling: str = "mean"
+    normalize: bool = True
+    truncate: bool = False
+    adapter: str | None = None
+
+    def __post_init__(self):
+        if self.pooling not in POOLING_KINDS:
+            raise ValueError(f"unknown pooling {self.pooling!r}; expected one of {POOLING_KINDS}")
+
+
+@dataclasses.dataclass(frozen=True)
+class GenKnobs:
+    """Host copy of one generation request's sampling knobs; the runner packs them into arrays."""
+
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int
+    logprobs: int | None
+
+
+@dataclasses.dataclass(frozen=True)
+class EmbedKnobs:
+    """Host copy of one embedding request's pooling knobs."""
+
+    kind: int  # index into POOLING_KINDS
+    normalize: bool
+    adapter_id: int = 0  # 0 = base model

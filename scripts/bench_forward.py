@@ -20,7 +20,7 @@ import numpy as np
 
 from hetero_jax import Engine, EngineConfig
 from hetero_jax.sched import DECODE, PREFILL, Request, ScheduledItem, SchedulerOutput, Status
-from hetero_jax.engine import RequestKnobs
+from hetero_jax.params import GenKnobs
 
 
 def median_time(fn, repeats: int) -> float:
@@ -61,7 +61,7 @@ def fake_items(engine, lengths: list, kind: str) -> SchedulerOutput:
     items = []
     for i, (ctx, n) in enumerate(lengths):
         req = Request(request_id=10_000 + i, prompt_token_ids=list(range(ctx + n)), max_tokens=1,
-                      payload=RequestKnobs(0.0, 0, 1.0, 0, None))
+                      payload=GenKnobs(0.0, 0, 1.0, 0, None))
         req.output_token_ids = [1] if kind == DECODE else []
         req.prompt_token_ids = req.prompt_token_ids[:ctx + n - len(req.output_token_ids)]
         req.pages = engine.scheduler.pages.allocate(-(-(ctx + n) // engine.config.page_size))

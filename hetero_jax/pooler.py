@@ -1,0 +1,72 @@
+"""Incremental poolers: embedding chunks over several steps become one vector, on the device.
+
+State (`PoolerState`, donated to the step) holds running sums per embedding slot: `sum_h`,
+`sum_jh` (position-weighted, j 1-based, as in SGPT), `count`, `sum_j`, the first hidden state
+(CLS) and the latest one (last token). Each step adds the embedding slice's final hidden states
+with segment sums over their slots; the vector of every embedding item of the step is read back
+(`[Se, d]`), and the host keeps only those whose last chunk ran. Slot `E` (the last row) is the
+dummy target of every non-embedding row, so padding never touches a real slot.
+"""
+from __future__ import annotations
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+
+
+@flax.struct.dataclass
+class PoolerState:
+    sum_h: jax.Array  # [E+1, d] f32
+    sum_jh: jax.Array  # [E+1, d] f32
+    count: jax.Array  # [E+1] f32
+    sum_j: jax.Array  # [E+1] f32
+    first: jax.Array  # [E+1, d] f32
+    last: jax.Array  # [E+1, d] f32
+
+    @classmethod
+    def zeros(cls, num_slots: int, dim: int) -> "PoolerState":
+        vec = lambda: jnp.zeros((num_slots + 1, dim), jnp.float32)  # noqa: E731
+        scalar = lambda: jnp.zeros((num_slots + 1,), jnp.float32)  # noqa: E731
+        return cls(vec(), vec(), scalar(), scalar(), vec(), vec())  # distinct buffers: donated
+
+    @property
+    def dummy_slot(self) -> int:
+        return self.count.shape[0] - 1
+
+
+@flax.struct.dataclass
+class PoolBatch:
+    token_slot: jax.Array  # [T] int32: the slot of each embedding row, dummy elsewhere
+    item_slot: jax.Array  # [Se] int32: the slot of each embedding item, dummy for padding
+    item_last_row: jax.Array  # [Se] int32: the item's last row on the token axis
+    item_first_chunk: jax.Array  # [Se] bool: the item starts its request (reset the slot)
+    kind: jax.Array  # [Se] int32: index into params.POOLING_KINDS
+    normalize: jax.Array  # [Se] bool
+
+
+def _reset(state: PoolerState, slots) -> PoolerState:
+    return jax.tree.map(lambda x: x.at[slots].set(0.0), state)
+
+
+def update(state: PoolerState, hidden, positions, pb: PoolBatch):
+    """hidden [T, d] (after the final norm), positions [T] -> (state, vectors [Se, d] f32)."""
+    dummy = state.dummy_slot
+    state = _reset(state, jnp.where(pb.item_first_chunk, pb.item_slot, dummy))
+    h = hidden.astype(jnp.float32)
+    w = (positions + 1).astype(jnp.float32)
+    seg = lambda x: jax.ops.segment_sum(x, pb.token_slot, num_segments=dummy + 1)  # noqa: E731
+    state = state.replace(
+        sum_h=state.sum_h + seg(h), sum_jh=state.sum_jh + seg(h * w[:, None]),
+        count=state.count + seg(jnp.ones_like(w)), sum_j=state.sum_j + seg(w),
+        first=state.first.at[jnp.where(positions == 0, pb.token_slot, dummy)].set(h),
+        last=state.last.at[pb.item_slot].set(h[pb.item_last_row]))
+    s = pb.item_slot
+    candidates = jnp.stack([
+        state.sum_h[s] / jnp.maximum(state.count[s], 1.0)[:, None],
+        state.sum_jh[s] / jnp.maximum(state.sum_j[s], 1.0)[:, None],
+        state.first[s], state.last[s]])  # [4, Se, d]
+    vec = jnp.take_along_axis(candidates, pb.kind[None, :, None], axis=0)[0]
+    norm = jnp.linalg.norm(vec, axis=-1, keepdims=True)
+    vec = jnp.where(pb.normalize[:, None], vec / jnp.maximum(norm, 1e-12), vec)
+    return state, vec
