@@ -7,6 +7,7 @@ device steps. Generation and embedding requests share the same steps (`run`).
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import time
 
@@ -17,6 +18,7 @@ from tqdm.auto import tqdm
 
 from hetero_jax import checkpoint
 from hetero_jax.config import EngineConfig
+from hetero_jax.encoder_runner import SeparateEncoder
 from hetero_jax.models import llama
 from hetero_jax.models.config import ModelConfig
 from hetero_jax.models.loading import load_hf_model
@@ -72,7 +74,8 @@ class EngineStats:
 
 
 class Engine:
-    def __init__(self, model_cfg: ModelConfig, params, tokenizer, config: EngineConfig | None = None):
+    def __init__(self, model_cfg: ModelConfig, params, tokenizer, config: EngineConfig | None = None,
+                 encoder: SeparateEncoder | None = None):
         dtype = jnp.dtype((config or EngineConfig()).dtype)
         kv_bytes = 2 * model_cfg.num_layers * model_cfg.num_kv_heads * model_cfg.head_dim * dtype.itemsize
         self.config = (config or EngineConfig()).resolve(model_cfg.max_position_embeddings, kv_bytes)
@@ -85,6 +88,8 @@ class Engine:
             max_chunk_seqs=c.max_chunk_seqs, page_size=c.page_size, num_pages=c.num_pages,
             max_model_len=c.max_model_len, policy=c.scheduler))
         self.stats = EngineStats()
+        self.encoder = encoder  # a separate embedding model, or None: embed on the decoder
+        self._encoder_queue: collections.deque = collections.deque()
         self._next_id = 0
 
     # -- construction ------------------------------------------------------------------------
@@ -94,10 +99,15 @@ class Engine:
         return cls(cfg, llama.init_params(cfg, seed), ByteTokenizer(), config)
 
     @classmethod
-    def from_pretrained(cls, path: str, config: EngineConfig | None = None) -> "Engine":
+    def from_pretrained(cls, path: str, config: EngineConfig | None = None,
+                        embed_model: str | None = None) -> "Engine":
+        """A decoder from a local Hugging Face directory; `embed_model` names a separate
+        BERT-family encoder directory that then serves every embedding request."""
         dtype = jnp.dtype((config or EngineConfig()).dtype)
         model_cfg, params = load_hf_model(path, dtype)
-        return cls(model_cfg, params, load_tokenizer(path, model_cfg.eos_token_ids), config)
+        encoder = SeparateEncoder.from_pretrained(embed_model, dtype) if embed_model else None
+        return cls(model_cfg, params, load_tokenizer(path, model_cfg.eos_token_ids), config,
+                   encoder)
 
     def save(self, path: str) -> None:
         """An engine-native checkpoint (orbax): params, model config and tokenizer."""
@@ -142,34 +152,58 @@ class Engine:
         outputs (RequestOutput / EmbeddingOutput) come back in input order."""
         reqs = [self._make_request(i, r) for i, r in enumerate(requests)]
         for req in reqs:
-            self.scheduler.add(req)
+            if req.is_embed and self.encoder:
+                self._encoder_queue.append(req)
+            else:
+                self.scheduler.add(req)
         bar = tqdm(total=len(reqs), desc="requests", unit="req", disable=not use_tqdm)
         try:
             self._loop(bar)
         finally:
             bar.close()
+            self._encoder_queue.clear()
             for req in reqs:
                 self.scheduler.abort(req.request_id)  # no-op for finished ones
                 self.runner.release(req.request_id)
         return [self._output(req) for req in reqs]
 
     def _loop(self, bar) -> None:
+        """Alternate decoder steps and separate-encoder batches until both queues are empty."""
         start, tokens = time.perf_counter(), 0
-        while self.scheduler.has_work():
-            out = self.scheduler.schedule()
-            assert out.items, "scheduler produced an empty step while requests are pending"
-            runner_out = self.runner.execute(out)
-            now = time.perf_counter()
-            for rid in list(runner_out.sampled) + list(runner_out.embeddings):
-                req = self.scheduler.requests[rid]
-                req.first_token_time = req.first_token_time or now
-            finished = self.scheduler.update(out, runner_out)
-            for req in finished:
-                req.finish_time = now
-            self._account(out, runner_out)
-            tokens += len(runner_out.sampled)
-            bar.update(len(finished))
-            bar.set_postfix(tok_s=f"{tokens / (now - start):.1f}", refresh=False)
+        while self.scheduler.has_work() or self._encoder_queue:
+            if self._encoder_queue:
+                bar.update(self._encoder_batch())
+            if self.scheduler.has_work():
+                tokens += self._decoder_step(bar)
+            bar.set_postfix(tok_s=f"{tokens / (time.perf_counter() - start):.1f}", refresh=False)
+
+    def _decoder_step(self, bar) -> int:
+        """One scheduled step on the decoder; returns the number of sampled tokens."""
+        out = self.scheduler.schedule()
+        assert out.items, "scheduler produced an empty step while requests are pending"
+        runner_out = self.runner.execute(out)
+        now = time.perf_counter()
+        for rid in list(runner_out.sampled) + list(runner_out.embeddings):
+            req = self.scheduler.requests[rid]
+            req.first_token_time = req.first_token_time or now
+        finished = self.scheduler.update(out, runner_out)
+        for req in finished:
+            req.finish_time = now
+        self._account(out, runner_out)
+        bar.update(len(finished))
+        return len(runner_out.sampled)
+
+    def _encoder_batch(self) -> int:
+        """One batch of queued embedding requests on the separate encoder; returns its size."""
+        n = min(len(self._encoder_queue), self.encoder.runner.batch_buckets[-1])
+        reqs = [self._encoder_queue.popleft() for _ in range(n)]
+        vectors = self.encoder.runner.embed(
+            [r.prompt_token_ids for r in reqs], [POOLING_KINDS[r.payload.kind] for r in reqs],
+            [r.payload.normalize for r in reqs])
+        now = time.perf_counter()
+        for req, vec in zip(reqs, vectors):
+            req.embedding, req.finish_reason, req.finish_time = vec, "embedded", now
+        return n
 
     def _account(self, out, runner_out) -> None:
         s = self.stats
@@ -181,21 +215,21 @@ class Engine:
         s.compiles, s.compile_s = self.runner.compiles, self.runner.compile_s
 
     # -- requests ----------------------------------------------------------------------------
-    def _tokenize(self, index: int, text, kind: str = "prompt") -> list:
+    @staticmethod
+    def _tokenize(index: int, text, tokenizer, vocab: int, kind: str) -> list:
         """A string or token-id list -> checked token ids; `kind` names it in errors."""
         if isinstance(text, str):
-            if self.tokenizer is None:
+            if tokenizer is None:
                 raise ValueError(f"{kind} {index} is a string but the model has no tokenizer; "
                                  "pass token ids")
-            ids = self.tokenizer.encode(text) if text else []
+            ids = tokenizer.encode(text) if text else []
         else:
             ids = [int(t) for t in text]
         if not ids:
             raise ValueError(f"{kind} {index} is empty")
-        bad = [t for t in ids if not 0 <= t < self.model_cfg.vocab_size]
+        bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
-            raise ValueError(f"{kind} {index}: token id {bad[0]} outside "
-                             f"[0, {self.model_cfg.vocab_size})")
+            raise ValueError(f"{kind} {index}: token id {bad[0]} outside [0, {vocab})")
         return ids
 
     def _make_request(self, index: int, r) -> Request:
@@ -208,7 +242,7 @@ class Engine:
         sp = r.params
         if sp.logprobs is not None and sp.logprobs > self.config.max_logprobs:
             raise ValueError(f"logprobs={sp.logprobs} exceeds max_logprobs={self.config.max_logprobs}")
-        ids = self._tokenize(index, r.prompt)
+        ids = self._tokenize(index, r.prompt, self.tokenizer, self.model_cfg.vocab_size, "prompt")
         if len(ids) >= self.config.max_model_len:
             raise ValueError(f"prompt {index} has {len(ids)} tokens; max_model_len="
                              f"{self.config.max_model_len} leaves no room to generate")
@@ -220,16 +254,26 @@ class Engine:
                        payload=GenKnobs(sp.temperature, sp.top_k, sp.top_p, seed, sp.logprobs))
 
     def _make_embed_request(self, index: int, rid: int, r: EmbedRequest) -> Request:
-        pp, limit = r.params, self.config.max_model_len
-        ids = self._tokenize(index, r.input, "input")
+        pp = r.params
+        if self.encoder:
+            tokenizer, limit = self.encoder.tokenizer, self.encoder.runner.max_len
+            vocab = self.encoder.runner.cfg.vocab_size
+            pooling, normalize = self.encoder.pooling, self.encoder.normalize
+        else:
+            tokenizer, limit = self.tokenizer, self.config.max_model_len
+            vocab = self.model_cfg.vocab_size
+            pooling, normalize = "mean", True
+        ids = self._tokenize(index, r.input, tokenizer, vocab, "input")
         if len(ids) > limit:
             if not pp.truncate:
-                raise ValueError(f"input {index} has {len(ids)} tokens > max_model_len={limit} "
-                                 "(PoolingParams(truncate=True) keeps the first ones)")
+                raise ValueError(f"input {index} has {len(ids)} tokens > the embedding limit "
+                                 f"{limit} (PoolingParams(truncate=True) keeps the first ones)")
             ids = ids[:limit]
+        pooling = pp.pooling or pooling
+        normalize = normalize if pp.normalize is None else pp.normalize
         return Request(request_id=rid, prompt_token_ids=ids, kind=EMBED,
                        arrival_time=time.perf_counter(),
-                       payload=EmbedKnobs(POOLING_KINDS.index(pp.pooling), pp.normalize))
+                       payload=EmbedKnobs(POOLING_KINDS.index(pooling), normalize))
 
     def _output(self, req: Request):
         if req.is_embed:

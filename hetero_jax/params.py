@@ -41,18 +41,20 @@ class PoolingParams:
     """How one embedding request pools its final hidden states (after the final norm).
 
     `mean` and `weighted_mean` (token j weighted by j, 1-based, as in SGPT) average over the
-    input; `cls` takes the first token, `last` the last one. `truncate=True` keeps the first
-    `max_model_len` tokens of a longer input instead of rejecting it. `adapter` names a LoRA
-    embedding adapter loaded with the engine (None: the engine's default adapter, if any).
+    input; `cls` takes the first token, `last` the last one. `None` takes the model's default:
+    a separate encoder's sentence-transformers configuration, else mean pooling, normalised.
+    `truncate=True` keeps the first tokens of a longer input instead of rejecting it.
+    `adapter` names a LoRA embedding adapter loaded with the engine (None: the engine's
+    default adapter, if any).
     """
 
-    pooling: str = "mean"
-    normalize: bool = True
+    pooling: str | None = None
+    normalize: bool | None = None
     truncate: bool = False
     adapter: str | None = None
 
     def __post_init__(self):
-        if self.pooling not in POOLING_KINDS:
+        if self.pooling is not None and self.pooling not in POOLING_KINDS:
             raise ValueError(f"unknown pooling {self.pooling!r}; expected one of {POOLING_KINDS}")
 
 

@@ -85,7 +85,7 @@ def test_zero_compiles_after_warmup_with_embeddings():
 
 @pytest.mark.parametrize("x,kw,match", [
     ("", {}, "input 1 is empty"), ([], {}, "input 1 is empty"),
-    (list(range(300)), {}, r"input 1 has 300 tokens > max_model_len=256")])
+    (list(range(300)), {}, r"input 1 has 300 tokens > the embedding limit 256")])
 def test_bad_embedding_input(x, kw, match):
     engine = Engine.from_preset("tiny", config=config(16))
     with pytest.raises(ValueError, match=match):

@@ -85,7 +85,7 @@ def open_checkpoint(model_dir: str) -> dict:
     return {name: f for name in f.names}
 
 
-def _read(tensors: dict, name: str, shape: tuple, transpose: bool) -> np.ndarray:
+def read_tensor(tensors: dict, name: str, shape: tuple, transpose: bool) -> np.ndarray:
     """One tensor, checked against the Hugging Face shape, returned as `shape`."""
     if name not in tensors:
         raise ValueError(f"tensor {name} missing from the checkpoint")
@@ -100,12 +100,12 @@ def _read(tensors: dict, name: str, shape: tuple, transpose: bool) -> np.ndarray
 def load_params(model_dir: str, cfg: ModelConfig, dtype) -> dict:
     tensors = open_checkpoint(model_dir)
     shapes = param_shapes(cfg)
-    params = {k: jnp.asarray(_read(tensors, _TOP_NAMES[k], shapes[k], k == "lm_head"), dtype)
+    params = {k: jnp.asarray(read_tensor(tensors, _TOP_NAMES[k], shapes[k], k == "lm_head"), dtype)
               for k in shapes if k != "layers"}
     params["layers"] = {}
     for key, shape in shapes["layers"].items():
         transpose = key.startswith("w")
-        per_layer = [_read(tensors, f"model.layers.{i}.{_LAYER_NAMES[key]}", shape[1:], transpose)
+        per_layer = [read_tensor(tensors, f"model.layers.{i}.{_LAYER_NAMES[key]}", shape[1:], transpose)
                      for i in range(cfg.num_layers)]
         params["layers"][key] = jnp.asarray(np.stack(per_layer), dtype)
     return params

@@ -1,0 +1,179 @@
+"""A BERT-family encoder (Hugging Face `BertModel`) as a pure function of a params pytree.
+
+In: `token_ids [B, N]` right-padded and `lengths [B]`. Out: `last_hidden_state [B, N, d]`, with
+bidirectional attention over each row's first `lengths[b]` tokens, token type 0 everywhere and
+exact (erf) GELU, as transformers computes it. Layers are stacked on a leading axis and run by
+one `jax.lax.scan` body, or unrolled after `llama.split_layers` (faster on a CPU).
+
+Params pytree (weights stored as `[in, out]`):
+  word_embed [V, d]; pos_embed [P, d]; type_embed [Tv, d]; embed_norm_w/embed_norm_b [d];
+  layers: wq/wk/wv/wo [L, d, d], bq/bk/bv/bo [L, d], attn_norm_w/attn_norm_b [L, d],
+          w_in [L, d, F], b_in [L, F], w_out [L, F, d], b_out [L, d], mlp_norm_w/mlp_norm_b [L, d].
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from hetero_jax.models.config import read_hf_config
+from hetero_jax.models.loading import open_checkpoint, read_tensor
+
+SUPPORTED_ARCHITECTURES = ("BertModel", "BertForMaskedLM", "BertForPreTraining")
+
+# params name -> Hugging Face name (after an optional "bert." prefix). Linear weights transposed.
+_TOP_NAMES = {
+    "word_embed": "embeddings.word_embeddings.weight",
+    "pos_embed": "embeddings.position_embeddings.weight",
+    "type_embed": "embeddings.token_type_embeddings.weight",
+    "embed_norm_w": "embeddings.LayerNorm.weight", "embed_norm_b": "embeddings.LayerNorm.bias",
+}
+_LAYER_NAMES = {
+    "wq": "attention.self.query.weight", "bq": "attention.self.query.bias",
+    "wk": "attention.self.key.weight", "bk": "attention.self.key.bias",
+    "wv": "attention.self.value.weight", "bv": "attention.self.value.bias",
+    "wo": "attention.output.dense.weight", "bo": "attention.output.dense.bias",
+    "attn_norm_w": "attention.output.LayerNorm.weight",
+    "attn_norm_b": "attention.output.LayerNorm.bias",
+    "w_in": "intermediate.dense.weight", "b_in": "intermediate.dense.bias",
+    "w_out": "output.dense.weight", "b_out": "output.dense.bias",
+    "mlp_norm_w": "output.LayerNorm.weight", "mlp_norm_b": "output.LayerNorm.bias",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class BertConfig:
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    intermediate_size: int
+    max_position_embeddings: int = 512
+    type_vocab_size: int = 2
+    layer_norm_eps: float = 1e-12
+    hidden_act: str = "gelu"
+
+    def __post_init__(self):
+        assert self.hidden_size % self.num_heads == 0, (
+            f"hidden_size={self.hidden_size} must be a multiple of num_heads={self.num_heads}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+
+def bert_config_from_hf(hf: dict, source: str = "config.json") -> BertConfig:
+    """Map a Hugging Face BERT config dict to a BertConfig; what we cannot run fails here."""
+    archs = hf.get("architectures") or ["BertModel" if hf.get("model_type") == "bert" else ""]
+    if hf.get("model_type", "bert") != "bert" or not any(a in SUPPORTED_ARCHITECTURES
+                                                         for a in archs):
+        raise ValueError(f"{source}: model_type {hf.get('model_type')!r} with architectures "
+                         f"{archs} is not a BERT encoder; supported: "
+                         f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+    act = hf.get("hidden_act", "gelu")
+    if act != "gelu":
+        raise ValueError(f"{source}: hidden_act {act!r} is not supported; supported: 'gelu'")
+    pos_type = hf.get("position_embedding_type", "absolute")
+    if pos_type != "absolute":
+        raise ValueError(f"{source}: position_embedding_type {pos_type!r} is not supported; "
+                         f"supported: 'absolute'")
+    return BertConfig(
+        vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
+        num_layers=hf["num_hidden_layers"], num_heads=hf["num_attention_heads"],
+        intermediate_size=hf["intermediate_size"],
+        max_position_embeddings=hf.get("max_position_embeddings", 512),
+        type_vocab_size=hf.get("type_vocab_size", 2),
+        layer_norm_eps=hf.get("layer_norm_eps", 1e-12), hidden_act=act)
+
+
+def param_shapes(cfg: BertConfig) -> dict:
+    d, f, n = cfg.hidden_size, cfg.intermediate_size, cfg.num_layers
+    layers = {k: (n, d, d) for k in ("wq", "wk", "wv", "wo")}
+    layers.update({k: (n, d) for k in ("bq", "bk", "bv", "bo", "attn_norm_w", "attn_norm_b",
+                                      "b_out", "mlp_norm_w", "mlp_norm_b")})
+    layers.update(w_in=(n, d, f), b_in=(n, f), w_out=(n, f, d))
+    return dict(word_embed=(cfg.vocab_size, d), pos_embed=(cfg.max_position_embeddings, d),
+                type_embed=(cfg.type_vocab_size, d), embed_norm_w=(d,), embed_norm_b=(d,),
+                layers=layers)
+
+
+def _tensor(tensors: dict, model_dir: str, name: str, shape: tuple, transpose: bool):
+    """The tensor `name` as a numpy array of `shape` (a linear weight comes transposed)."""
+    if name not in tensors:
+        raise ValueError(f"{model_dir}: tensor {name} missing from the checkpoint")
+    return read_tensor(tensors, name, shape, transpose)
+
+
+def load_bert_params(model_dir: str, cfg: BertConfig, dtype) -> dict:
+    tensors = open_checkpoint(model_dir)
+    prefix = "bert." if "bert." + _TOP_NAMES["word_embed"] in tensors else ""
+    shapes = param_shapes(cfg)
+    params = {k: jnp.asarray(_tensor(tensors, model_dir, prefix + hf, shapes[k], False), dtype)
+              for k, hf in _TOP_NAMES.items()}
+    params["layers"] = {}
+    for key, shape in shapes["layers"].items():
+        per_layer = [_tensor(tensors, model_dir, f"{prefix}encoder.layer.{i}.{_LAYER_NAMES[key]}",
+                             shape[1:], key.startswith("w")) for i in range(cfg.num_layers)]
+        params["layers"][key] = jnp.asarray(np.stack(per_layer), dtype)
+    return params
+
+
+def load_bert(model_dir: str, dtype=jnp.float32) -> tuple[BertConfig, dict]:
+    """(BertConfig, stacked params) from a local Hugging Face BERT directory."""
+    cfg = bert_config_from_hf(read_hf_config(model_dir), os.path.join(model_dir, "config.json"))
+    return cfg, load_bert_params(model_dir, cfg, dtype)
+
+
+def layer_norm(x, weight, bias, eps):
+    """x [..., d] -> [..., d]: normalised in fp32, scaled and shifted, in x's dtype."""
+    x32 = x.astype(jnp.float32)
+    mean = jnp.mean(x32, axis=-1, keepdims=True)
+    var = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
+    y = (x32 - mean) * jax.lax.rsqrt(var + eps)
+    return (y * weight.astype(jnp.float32) + bias.astype(jnp.float32)).astype(x.dtype)
+
+
+def _attention(cfg: BertConfig, lp, x, key_bias):
+    """x [B, N, d], key_bias [B, 1, 1, N] (0 or a large negative) -> [B, N, d]."""
+    b, n, _ = x.shape
+    split = lambda y: y.reshape(b, n, cfg.num_heads, cfg.head_dim)  # noqa: E731
+    q, k, v = (split(x @ lp[w] + lp[bias]) for w, bias in (("wq", "bq"), ("wk", "bk"),
+                                                          ("wv", "bv")))
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)
+    probs = jax.nn.softmax(scores / math.sqrt(cfg.head_dim) + key_bias, axis=-1)
+    o = jnp.einsum("bhqk,bkhd->bqhd", probs.astype(v.dtype), v)  # [B, N, H, D]
+    return o.reshape(b, n, cfg.hidden_size) @ lp["wo"] + lp["bo"]
+
+
+def encode(params, cfg: BertConfig, token_ids, lengths):
+    """token_ids [B, N] int32, lengths [B] int32 -> last_hidden_state [B, N, d].
+
+    Keys past a row's length are masked out; rows of length 0 (batch padding) stay finite.
+    `params["layers"]` is the stacked dict (one `lax.scan` body) or a tuple from
+    `llama.split_layers` (the same body unrolled).
+    """
+    n = token_ids.shape[1]
+    assert n <= cfg.max_position_embeddings, f"{n=} exceeds {cfg.max_position_embeddings=}"
+    h = (params["word_embed"][token_ids] + params["pos_embed"][:n][None]
+         + params["type_embed"][0][None, None])
+    h = layer_norm(h, params["embed_norm_w"], params["embed_norm_b"], cfg.layer_norm_eps)
+    valid = jnp.arange(n)[None, :] < lengths[:, None]  # [B, N]
+    key_bias = jnp.where(valid, 0.0, jnp.finfo(jnp.float32).min)[:, None, None, :]
+
+    def block(h, lp):
+        eps = cfg.layer_norm_eps
+        h = layer_norm(h + _attention(cfg, lp, h, key_bias), lp["attn_norm_w"],
+                       lp["attn_norm_b"], eps)
+        mlp = jax.nn.gelu(h @ lp["w_in"] + lp["b_in"], approximate=False) @ lp["w_out"]
+        return layer_norm(h + mlp + lp["b_out"], lp["mlp_norm_w"], lp["mlp_norm_b"], eps), None
+
+    if isinstance(params["layers"], tuple):
+        for lp in params["layers"]:
+            h, _ = block(h, lp)
+    else:
+        h, _ = jax.lax.scan(block, h, params["layers"])
+    return h
