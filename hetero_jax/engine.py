@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 from hetero_jax import checkpoint
 from hetero_jax.config import EngineConfig
 from hetero_jax.encoder_runner import SeparateEncoder
-from hetero_jax.models import llama
+from hetero_jax.models import llama, lora
 from hetero_jax.models.config import ModelConfig
 from hetero_jax.models.loading import load_hf_model
 from hetero_jax.models.presets import preset_config
@@ -75,12 +75,17 @@ class EngineStats:
 
 class Engine:
     def __init__(self, model_cfg: ModelConfig, params, tokenizer, config: EngineConfig | None = None,
-                 encoder: SeparateEncoder | None = None):
+                 encoder: SeparateEncoder | None = None, adapters: dict | None = None):
+        """`adapters` maps LoRA adapter names to loaded `lora.LoraAdapter`s (embedding only)."""
         dtype = jnp.dtype((config or EngineConfig()).dtype)
         kv_bytes = 2 * model_cfg.num_layers * model_cfg.num_kv_heads * model_cfg.head_dim * dtype.itemsize
         self.config = (config or EngineConfig()).resolve(model_cfg.max_position_embeddings, kv_bytes)
         self.model_cfg, self.tokenizer = model_cfg, tokenizer
         params = jax.tree.map(lambda x: jnp.asarray(x, dtype), params)
+        self.adapter_ids = {name: i + 1 for i, name in enumerate(adapters or {})}  # 0 = base
+        if adapters:
+            stacked = lora.stack_adapters(list(adapters.values()), model_cfg, dtype)
+            params = dict(params, layers=lora.merge_lora_layers(params["layers"], stacked))
         self.runner = Runner(model_cfg, self.config, params)
         c = self.config
         self.scheduler = Scheduler(SchedulerConfig(
@@ -100,14 +105,22 @@ class Engine:
 
     @classmethod
     def from_pretrained(cls, path: str, config: EngineConfig | None = None,
-                        embed_model: str | None = None) -> "Engine":
-        """A decoder from a local Hugging Face directory; `embed_model` names a separate
-        BERT-family encoder directory that then serves every embedding request."""
+                        embed_model: str | None = None,
+                        embed_adapter: str | dict | None = None) -> "Engine":
+        """A decoder from a local Hugging Face directory.
+
+        `embed_model` names a separate BERT-family encoder directory that then serves every
+        embedding request. `embed_adapter` names a PEFT LoRA directory (or a dict name ->
+        directory) whose adapter embedding tokens use on the shared backbone, in the same pass
+        as generation tokens on the base weights; the first one is the default.
+        """
         dtype = jnp.dtype((config or EngineConfig()).dtype)
         model_cfg, params = load_hf_model(path, dtype)
         encoder = SeparateEncoder.from_pretrained(embed_model, dtype) if embed_model else None
+        dirs = {"default": embed_adapter} if isinstance(embed_adapter, str) else embed_adapter
+        adapters = {name: lora.load_adapter(d, model_cfg, dtype) for name, d in (dirs or {}).items()}
         return cls(model_cfg, params, load_tokenizer(path, model_cfg.eos_token_ids), config,
-                   encoder)
+                   encoder, adapters)
 
     def save(self, path: str) -> None:
         """An engine-native checkpoint (orbax): params, model config and tokenizer."""
@@ -273,7 +286,17 @@ class Engine:
         normalize = normalize if pp.normalize is None else pp.normalize
         return Request(request_id=rid, prompt_token_ids=ids, kind=EMBED,
                        arrival_time=time.perf_counter(),
-                       payload=EmbedKnobs(POOLING_KINDS.index(pooling), normalize))
+                       payload=EmbedKnobs(POOLING_KINDS.index(pooling), normalize,
+                                          self._adapter_id(index, pp.adapter)))
+
+    def _adapter_id(self, index: int, name: str | None) -> int:
+        """The adapter id of an embedding request: its named adapter, else the first one."""
+        if name is None:
+            return 1 if self.adapter_ids else 0
+        if name not in self.adapter_ids:
+            raise ValueError(f"input {index}: unknown adapter {name!r}; loaded: "
+                             f"{sorted(self.adapter_ids) or 'none'}")
+        return self.adapter_ids[name]
 
     def _output(self, req: Request):
         if req.is_embed:

@@ -40,6 +40,7 @@ class StepBatch:
     sample_rows: jax.Array  # [S] int32: the token row whose logits each sequence samples
     knobs: SamplingKnobs  # [S] each
     pool: pooler.PoolBatch  # token_slot [T]; per embedding item [Sc]
+    adapter_ids: jax.Array  # [T] int32: each token's LoRA adapter, 0 = base model
 
 
 @flax.struct.dataclass
@@ -59,7 +60,7 @@ def step(params, state: DeviceState, batch: StepBatch, *, model_cfg: ModelConfig
     attn_fn = functools.partial(ragged_paged_attention, impl=impl, max_q_len=max_q_len,
                                 num_multi_query_seqs=num_chunk_seqs, interpret=interpret)
     hidden, kv = llama.forward(params, model_cfg, batch.tokens, batch.positions, batch.slots,
-                               state.kv, batch.meta, attn_fn)
+                               state.kv, batch.meta, attn_fn, batch.adapter_ids)
     logits = llama.lm_logits(params, model_cfg, hidden[batch.sample_rows])  # [S, V]
     sampled = sample(logits, batch.knobs, num_logprobs)  # [S, 2 + 2K]
     pool, vectors = state.pool, jnp.zeros((0,), jnp.float32)
@@ -81,7 +82,8 @@ def batch_spec(t: int, s: int, sc: int, p: int) -> StepBatch:
         knobs=SamplingKnobs(temperature=f32(s), top_k=i32(s), top_p=f32(s),
                             seed=jax.ShapeDtypeStruct((s,), jnp.uint32), step=i32(s)),
         pool=pooler.PoolBatch(token_slot=i32(t), item_slot=i32(sc), item_last_row=i32(sc),
-                              item_first_chunk=bool_(sc), kind=i32(sc), normalize=bool_(sc)))
+                              item_first_chunk=bool_(sc), kind=i32(sc), normalize=bool_(sc)),
+        adapter_ids=i32(t))
 
 
 def _pack_sampling(items: list, s: int) -> SamplingKnobs:
@@ -124,7 +126,7 @@ def pack_batch(out: SchedulerOutput, cfg: EngineConfig, slot_of: dict,
     s = pad_to_bucket(len(items), cfg.seq_buckets)
     sc = min(pad_to_bucket(sum(it.kind != DECODE for it in items), cfg.chunk_seq_buckets), s)
     p = pad_to_bucket(max(-(-(it.start + it.num_tokens) // ps) for it in items), cfg.page_buckets)
-    tokens, positions, slots = (np.zeros(t, np.int32) for _ in range(3))
+    tokens, positions, slots, adapter_ids = (np.zeros(t, np.int32) for _ in range(4))
     kv_lens, sample_rows = np.zeros(s, np.int32), np.zeros(s, np.int32)
     page_indices = np.zeros((s, p), np.int32)
     cu = np.full(s + 1, n_tok, np.int32)
@@ -139,13 +141,14 @@ def pack_batch(out: SchedulerOutput, cfg: EngineConfig, slot_of: dict,
         slots[lo:hi] = pages[pos // ps] * ps + pos % ps
         page_indices[i, :len(pages)] = pages
         kv_lens[i], cu[i + 1], sample_rows[i] = it.start + it.num_tokens, hi, hi - 1
+        adapter_ids[lo:hi] = getattr(it.request.payload, "adapter_id", 0)
         rows.append((lo, hi))
     batch = StepBatch(
         tokens=tokens, positions=positions, slots=slots,
         meta=llama.AttnMeta(kv_lens=kv_lens, page_indices=page_indices, cu_q_lens=cu,
                             num_seqs=np.int32(len(items))),
         sample_rows=sample_rows, knobs=_pack_sampling(items, s),
-        pool=_pack_pooling(items, rows, t, sc, slot_of, dummy_slot))
+        pool=_pack_pooling(items, rows, t, sc, slot_of, dummy_slot), adapter_ids=adapter_ids)
     return (t, s, sc, p), batch
 
 

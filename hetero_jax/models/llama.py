@@ -9,7 +9,9 @@ leading axis and run by one `jax.lax.scan` body, so compile time does not grow w
 Params pytree (weights stored as `[in, out]`):
   embed [V, d]; final_norm [d]; lm_head [d, V] unless tied;
   layers: attn_norm [L, d], wq [L, d, Hq*D], wk/wv [L, d, Hkv*D], wo [L, Hq*D, d],
-          bq/bk/bv [L, H*D] (Qwen2 only), mlp_norm [L, d], w_gate/w_up [L, d, F], w_down [L, F, d].
+          bq/bk/bv [L, H*D] (Qwen2 only), mlp_norm [L, d], w_gate/w_up [L, d, F], w_down [L, F, d],
+          and with LoRA adapters (see lora.py) lora_a_<w> [L, A, in, r], lora_b_<w> [L, A, r, out]
+          for each adapted projection <w>.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from hetero_jax.models.config import ModelConfig
+from hetero_jax.models.lora import lora_delta
 
 
 @flax.struct.dataclass
@@ -113,9 +116,17 @@ def rms_norm(x, weight, eps):
     return weight * x32.astype(x.dtype)
 
 
-def _qkv(cfg, lp, x):
+def _linear(lp, name, x, adapter_ids):
+    """x [T, in] @ lp[name] [in, out], plus each token's LoRA delta where the layer has one."""
+    y = x @ lp[name]
+    if adapter_ids is not None and f"lora_a_{name}" in lp:
+        y = y + lora_delta(x, lp[f"lora_a_{name}"], lp[f"lora_b_{name}"], adapter_ids)
+    return y
+
+
+def _qkv(cfg, lp, x, adapter_ids=None):
     t = x.shape[0]
-    q, k, v = x @ lp["wq"], x @ lp["wk"], x @ lp["wv"]
+    q, k, v = (_linear(lp, w, x, adapter_ids) for w in ("wq", "wk", "wv"))
     if cfg.qkv_bias:
         q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
     return (q.reshape(t, cfg.num_heads, cfg.head_dim),
@@ -144,12 +155,14 @@ def stack_layers(params) -> dict:
 
 
 def forward(params, cfg: ModelConfig, tokens, positions, slots, kv: KVCache, meta: AttnMeta,
-            attn_fn):
+            attn_fn, adapter_ids=None):
     """tokens/positions/slots [T] -> hidden [T, d] after the final norm, updated KVCache.
 
     `attn_fn(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs)` is a
     ragged paged attention with its static hints bound. `params["layers"]` is either the
     stacked dict (one `lax.scan` body) or a tuple from `split_layers` (the same body unrolled).
+    `adapter_ids [T]` int32 picks each token's LoRA adapter (0 = base; k = stacked index k-1);
+    None runs every token on the base weights.
     """
     page_size = kv.k.shape[2]
     page, offset = slots // page_size, slots % page_size
@@ -159,15 +172,17 @@ def forward(params, cfg: ModelConfig, tokens, positions, slots, kv: KVCache, met
         h, k_cache, v_cache = carry
         lp, layer = xs
         x = rms_norm(h, lp["attn_norm"], cfg.rms_norm_eps)
-        q, k, v = _qkv(cfg, lp, x)
+        q, k, v = _qkv(cfg, lp, x, adapter_ids)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         k_cache = k_cache.at[layer, page, offset].set(k.astype(k_cache.dtype))
         v_cache = v_cache.at[layer, page, offset].set(v.astype(v_cache.dtype))
         o = attn_fn(q, k_cache[layer], v_cache[layer], meta.kv_lens, meta.page_indices,
                     meta.cu_q_lens, meta.num_seqs)
-        h = h + o.reshape(h.shape[0], -1).astype(h.dtype) @ lp["wo"]
+        h = h + _linear(lp, "wo", o.reshape(h.shape[0], -1).astype(h.dtype), adapter_ids)
         x = rms_norm(h, lp["mlp_norm"], cfg.rms_norm_eps)
-        h = h + (jax.nn.silu(x @ lp["w_gate"]) * (x @ lp["w_up"])) @ lp["w_down"]
+        gate, up = _linear(lp, "w_gate", x, adapter_ids), _linear(lp, "w_up", x, adapter_ids)
+        gated = jax.nn.silu(gate) * up
+        h = h + _linear(lp, "w_down", gated, adapter_ids)
         return (h, k_cache, v_cache), None
 
     carry = (params["embed"][tokens], kv.k, kv.v)  # h [T, d]
