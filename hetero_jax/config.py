@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from collections.abc import Callable
 
 _DTYPES = ("float32", "bfloat16")
 
@@ -49,6 +50,10 @@ class EngineConfig:
     page_buckets: tuple | None = None  # None: powers of four from 4 up to max_model_len pages
     chunk_seq_buckets: tuple | None = None  # None: (0, 1, max_chunk_seqs)
     seed: int = 0
+    # buffered_head(hidden [max_model_len, d], length) -> [d]: a jittable function of all of an
+    # embedding input's hidden states (rows past `length` are stale), for PoolingParams(
+    # pooling="buffered"). Enabling it keeps max_num_seqs x max_model_len x d floats on device.
+    buffered_head: Callable | None = None
 
     def __post_init__(self):
         checks = [("token_budget", 1), ("chunk_size", 1), ("max_num_seqs", 1),

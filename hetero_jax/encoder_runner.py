@@ -31,6 +31,8 @@ from hetero_jax.config import pad_to_bucket
 from hetero_jax.models import bert, llama
 from hetero_jax.params import POOLING_KINDS
 
+STREAMING_KINDS = POOLING_KINDS[:4]  # the encoder has no buffered head
+
 _ST_MODES = {"mean": "mean", "weightedmean": "weighted_mean", "cls": "cls", "lasttoken": "last"}
 _ST_LEGACY_KEYS = {"pooling_mode_cls_token": "cls", "pooling_mode_max_tokens": "max",
                    "pooling_mode_mean_tokens": "mean",
@@ -168,9 +170,9 @@ class EncoderRunner:
         """Token-id lists -> fp32 `[N, d]` in input order; pooling/normalize per input or one."""
         kinds = _per_input(pooling, len(inputs), "pooling")
         norms = _per_input(normalize, len(inputs), "normalize")
-        unknown = sorted(set(kinds) - set(POOLING_KINDS))
+        unknown = sorted(set(kinds) - set(STREAMING_KINDS))
         if unknown:
-            raise ValueError(f"unknown pooling {unknown}; expected one of {POOLING_KINDS}")
+            raise ValueError(f"unknown pooling {unknown}; expected one of {STREAMING_KINDS}")
         self.check(inputs)
         out = np.zeros((len(inputs), self.cfg.hidden_size), np.float32)
         order = sorted(range(len(inputs)), key=lambda i: len(inputs[i]))

@@ -284,6 +284,9 @@ class Engine:
             ids = ids[:limit]
         pooling = pp.pooling or pooling
         normalize = normalize if pp.normalize is None else pp.normalize
+        if pooling == "buffered" and (self.encoder or self.config.buffered_head is None):
+            raise ValueError(f"input {index}: pooling='buffered' needs "
+                             "EngineConfig(buffered_head=...) and the decoder as embedding model")
         return Request(request_id=rid, prompt_token_ids=ids, kind=EMBED,
                        arrival_time=time.perf_counter(),
                        payload=EmbedKnobs(POOLING_KINDS.index(pooling), normalize,

@@ -33,7 +33,7 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
 
 
-POOLING_KINDS = ("mean", "weighted_mean", "cls", "last")
+POOLING_KINDS = ("mean", "weighted_mean", "cls", "last", "buffered")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,7 +41,8 @@ class PoolingParams:
     """How one embedding request pools its final hidden states (after the final norm).
 
     `mean` and `weighted_mean` (token j weighted by j, 1-based, as in SGPT) average over the
-    input; `cls` takes the first token, `last` the last one. `None` takes the model's default:
+    input; `cls` takes the first token, `last` the last one; `buffered` applies the engine's
+    `EngineConfig(buffered_head=...)` to all hidden states. `None` takes the model's default:
     a separate encoder's sentence-transformers configuration, else mean pooling, normalised.
     `truncate=True` keeps the first tokens of a longer input instead of rejecting it.
     `adapter` names a LoRA embedding adapter loaded with the engine (None: the engine's

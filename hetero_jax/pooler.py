@@ -2,7 +2,8 @@
 
 State (`PoolerState`, donated to the step) holds running sums per embedding slot: `sum_h`,
 `sum_jh` (position-weighted, j 1-based, as in SGPT), `count`, `sum_j`, the first hidden state
-(CLS) and the latest one (last token). Each step adds the embedding slice's final hidden states
+(CLS) and the latest one (last token); with a buffered head configured, also every hidden
+state of the request (O(n d) memory), for heads that do not stream. Each step adds the embedding slice's final hidden states
 with segment sums over their slots; the vector of every embedding item of the step is read back
 (`[Se, d]`), and the host keeps only those whose last chunk ran. Slot `E` (the last row) is the
 dummy target of every non-embedding row, so padding never touches a real slot.
@@ -23,12 +24,14 @@ class PoolerState:
     sum_j: jax.Array  # [E+1] f32
     first: jax.Array  # [E+1, d] f32
     last: jax.Array  # [E+1, d] f32
+    buffer: jax.Array  # [E+1, Lb, d] f32: every hidden state, for a buffered head (Lb = 1: off)
 
     @classmethod
-    def zeros(cls, num_slots: int, dim: int) -> "PoolerState":
+    def zeros(cls, num_slots: int, dim: int, buffer_len: int = 1) -> "PoolerState":
         vec = lambda: jnp.zeros((num_slots + 1, dim), jnp.float32)  # noqa: E731
         scalar = lambda: jnp.zeros((num_slots + 1,), jnp.float32)  # noqa: E731
-        return cls(vec(), vec(), scalar(), scalar(), vec(), vec())  # distinct buffers: donated
+        buffer = jnp.zeros((num_slots + 1, buffer_len, dim), jnp.float32)
+        return cls(vec(), vec(), scalar(), scalar(), vec(), vec(), buffer)  # distinct: donated
 
     @property
     def dummy_slot(self) -> int:
@@ -43,14 +46,22 @@ class PoolBatch:
     item_first_chunk: jax.Array  # [Se] bool: the item starts its request (reset the slot)
     kind: jax.Array  # [Se] int32: index into params.POOLING_KINDS
     normalize: jax.Array  # [Se] bool
+    item_length: jax.Array  # [Se] int32: tokens of the request seen so far (for the head)
 
 
 def _reset(state: PoolerState, slots) -> PoolerState:
-    return jax.tree.map(lambda x: x.at[slots].set(0.0), state)
+    """Zero the running sums of `slots` (the buffer needs none: heads read `length` rows)."""
+    zero = lambda x: x.at[slots].set(0.0)  # noqa: E731
+    return state.replace(sum_h=zero(state.sum_h), sum_jh=zero(state.sum_jh),
+                         count=zero(state.count), sum_j=zero(state.sum_j))
 
 
-def update(state: PoolerState, hidden, positions, pb: PoolBatch):
-    """hidden [T, d] (after the final norm), positions [T] -> (state, vectors [Se, d] f32)."""
+def update(state: PoolerState, hidden, positions, pb: PoolBatch, head=None):
+    """hidden [T, d] (after the final norm), positions [T] -> (state, vectors [Se, d] f32).
+
+    `head(hidden [Lb, d], length) -> [d]` is the buffered head (static; None: none). It sees
+    every hidden state of the request, rows past `length` being stale, so it must mask them.
+    """
     dummy = state.dummy_slot
     state = _reset(state, jnp.where(pb.item_first_chunk, pb.item_slot, dummy))
     h = hidden.astype(jnp.float32)
@@ -62,10 +73,13 @@ def update(state: PoolerState, hidden, positions, pb: PoolBatch):
         first=state.first.at[jnp.where(positions == 0, pb.token_slot, dummy)].set(h),
         last=state.last.at[pb.item_slot].set(h[pb.item_last_row]))
     s = pb.item_slot
-    candidates = jnp.stack([
-        state.sum_h[s] / jnp.maximum(state.count[s], 1.0)[:, None],
-        state.sum_jh[s] / jnp.maximum(state.sum_j[s], 1.0)[:, None],
-        state.first[s], state.last[s]])  # [4, Se, d]
+    candidates = [state.sum_h[s] / jnp.maximum(state.count[s], 1.0)[:, None],
+                  state.sum_jh[s] / jnp.maximum(state.sum_j[s], 1.0)[:, None],
+                  state.first[s], state.last[s]]
+    if head is not None:
+        state = state.replace(buffer=state.buffer.at[pb.token_slot, positions].set(h))
+        candidates.append(jax.vmap(head)(state.buffer[s], pb.item_length).astype(jnp.float32))
+    candidates = jnp.stack(candidates)  # [kinds, Se, d]
     vec = jnp.take_along_axis(candidates, pb.kind[None, :, None], axis=0)[0]
     norm = jnp.linalg.norm(vec, axis=-1, keepdims=True)
     vec = jnp.where(pb.normalize[:, None], vec / jnp.maximum(norm, 1e-12), vec)

@@ -52,7 +52,7 @@ class DeviceState:
 
 
 def step(params, state: DeviceState, batch: StepBatch, *, model_cfg: ModelConfig, max_q_len: int,
-         num_chunk_seqs: int, num_logprobs: int, impl: str, interpret: bool):
+         num_chunk_seqs: int, num_logprobs: int, impl: str, interpret: bool, head=None):
     """One mixed forward pass -> (state, packed f32 [S * (2 + 2K) + Sc * d]).
 
     The LM head runs only on the S sampled rows; the pooler only when the step has chunk rows.
@@ -65,7 +65,7 @@ def step(params, state: DeviceState, batch: StepBatch, *, model_cfg: ModelConfig
     sampled = sample(logits, batch.knobs, num_logprobs)  # [S, 2 + 2K]
     pool, vectors = state.pool, jnp.zeros((0,), jnp.float32)
     if num_chunk_seqs:
-        pool, vectors = pooler.update(state.pool, hidden, batch.positions, batch.pool)
+        pool, vectors = pooler.update(state.pool, hidden, batch.positions, batch.pool, head)
     return DeviceState(kv, pool), jnp.concatenate([sampled.reshape(-1), vectors.reshape(-1)])
 
 
@@ -82,7 +82,8 @@ def batch_spec(t: int, s: int, sc: int, p: int) -> StepBatch:
         knobs=SamplingKnobs(temperature=f32(s), top_k=i32(s), top_p=f32(s),
                             seed=jax.ShapeDtypeStruct((s,), jnp.uint32), step=i32(s)),
         pool=pooler.PoolBatch(token_slot=i32(t), item_slot=i32(sc), item_last_row=i32(sc),
-                              item_first_chunk=bool_(sc), kind=i32(sc), normalize=bool_(sc)),
+                              item_first_chunk=bool_(sc), kind=i32(sc), normalize=bool_(sc),
+                              item_length=i32(sc)),
         adapter_ids=i32(t))
 
 
@@ -104,15 +105,16 @@ def _pack_pooling(items: list, rows: list, t: int, sc: int, slot_of: dict,
     token_slot = np.full(t, dummy, np.int32)
     item_slot, last_row = np.full(sc, dummy, np.int32), np.zeros(sc, np.int32)
     first, normalize = np.zeros(sc, bool), np.zeros(sc, bool)
-    kind = np.zeros(sc, np.int32)
+    kind, length = np.zeros(sc, np.int32), np.zeros(sc, np.int32)
     for i, it in enumerate(it for it in items if it.kind == EMBED):
         lo, hi = rows[i]
         slot = slot_of[it.request.request_id]
         token_slot[lo:hi], item_slot[i], last_row[i] = slot, slot, hi - 1
-        first[i] = it.start == 0
+        first[i], length[i] = it.start == 0, it.start + it.num_tokens
         kind[i], normalize[i] = it.request.payload.kind, it.request.payload.normalize
     return pooler.PoolBatch(token_slot=token_slot, item_slot=item_slot, item_last_row=last_row,
-                            item_first_chunk=first, kind=kind, normalize=normalize)
+                            item_first_chunk=first, kind=kind, normalize=normalize,
+                            item_length=length)
 
 
 def pack_batch(out: SchedulerOutput, cfg: EngineConfig, slot_of: dict,
@@ -164,7 +166,8 @@ class Runner:
         dtype = jnp.dtype(cfg.dtype)
         self.state = DeviceState(
             kv=llama.KVCache.zeros(model_cfg, cfg.num_pages, cfg.page_size, dtype),
-            pool=pooler.PoolerState.zeros(cfg.max_num_seqs, model_cfg.hidden_size))
+            pool=pooler.PoolerState.zeros(cfg.max_num_seqs, model_cfg.hidden_size,
+                                          cfg.max_model_len if cfg.buffered_head else 1))
         self._free_slots = list(range(cfg.max_num_seqs))
         self._slot_of: dict = {}  # embedding request id -> pooler slot, while it runs
         impl = cfg.attention_impl
@@ -184,7 +187,7 @@ class Runner:
             fn = jax.jit(functools.partial(
                 step, model_cfg=self.model_cfg, max_q_len=min(self.cfg.chunk_size, t),
                 num_chunk_seqs=sc, num_logprobs=self.cfg.max_logprobs, impl=self.impl,
-                interpret=self.interpret),
+                interpret=self.interpret, head=self.cfg.buffered_head),
                 donate_argnums=(1,))
             spec = batch_spec(t, s, sc, p)
             self._executables[key] = fn.lower(self.params, self.state, spec).compile()

@@ -1,4 +1,5 @@
 """Embeddings in the mixed step: chunked equals single-pass, poolers equal transformers."""
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
@@ -104,3 +105,24 @@ def test_truncate_keeps_the_first_tokens():
 def test_unknown_pooling():
     with pytest.raises(ValueError, match="unknown pooling 'max'"):
         PoolingParams("max")
+
+
+def max_pool_head(hidden, length):
+    """A head that does not stream: elementwise max over the request's hidden states."""
+    valid = jnp.arange(hidden.shape[0])[:, None] < length
+    return jnp.max(jnp.where(valid, hidden, -jnp.inf), axis=0)
+
+
+def test_buffered_head_sees_every_hidden_state():
+    """The buffered head over chunks equals the same function of the single-pass states."""
+    engine = Engine.from_preset("tiny", config=config(16, buffered_head=max_pool_head))
+    got = engine.embed(inputs(), PoolingParams("buffered", normalize=False), use_tqdm=False)
+    whole = Engine.from_preset("tiny", config=config(256, budget=256, buffered_head=max_pool_head))
+    want = whole.embed(inputs(), PoolingParams("buffered", normalize=False), use_tqdm=False)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    for p in ("last", "cls"):  # the max over all tokens bounds each single token
+        one = engine.embed(inputs(), PoolingParams(p, normalize=False), use_tqdm=False)
+        assert np.all(got >= one - 1e-5), p
+    with pytest.raises(ValueError, match="needs EngineConfig\\(buffered_head=...\\)"):
+        Engine.from_preset("tiny", config=config(16)).embed(
+            ["x"], PoolingParams("buffered"), use_tqdm=False)
