@@ -163,35 +163,54 @@ class Engine:
     def run(self, requests: list, use_tqdm: bool = True) -> list:
         """Serve a mix of GenerateRequest and EmbedRequest together in heterogeneous steps;
         outputs (RequestOutput / EmbeddingOutput) come back in input order."""
+        reqs = self.add(requests)
+        bar = tqdm(total=len(reqs), desc="requests", unit="req", disable=not use_tqdm)
+        start, tokens0 = time.perf_counter(), self.stats.generated_tokens
+        try:
+            while self.has_work():
+                bar.update(len(self.step()))
+                rate = (self.stats.generated_tokens - tokens0) / (time.perf_counter() - start)
+                bar.set_postfix(tok_s=f"{rate:.1f}", refresh=False)
+        finally:
+            bar.close()
+            for req in reqs:
+                self.abort(req.request_id)  # no-op for finished ones
+        return [self.output(req) for req in reqs]
+
+    # -- step-wise interface (AsyncEngine drives it) -----------------------------------------
+    def add(self, requests: list) -> list:
+        """Validate every request, then queue them all; returns their `Request` handles.
+
+        A bad request raises before anything is queued, so the others are not half-added.
+        """
         reqs = [self._make_request(i, r) for i, r in enumerate(requests)]
         for req in reqs:
             if req.is_embed and self.encoder:
                 self._encoder_queue.append(req)
             else:
                 self.scheduler.add(req)
-        bar = tqdm(total=len(reqs), desc="requests", unit="req", disable=not use_tqdm)
-        try:
-            self._loop(bar)
-        finally:
-            bar.close()
-            self._encoder_queue.clear()
-            for req in reqs:
-                self.scheduler.abort(req.request_id)  # no-op for finished ones
-                self.runner.release(req.request_id)
-        return [self._output(req) for req in reqs]
+        return reqs
 
-    def _loop(self, bar) -> None:
-        """Alternate decoder steps and separate-encoder batches until both queues are empty."""
-        start, tokens = time.perf_counter(), 0
-        while self.scheduler.has_work() or self._encoder_queue:
-            if self._encoder_queue:
-                bar.update(self._encoder_batch())
-            if self.scheduler.has_work():
-                tokens += self._decoder_step(bar)
-            bar.set_postfix(tok_s=f"{tokens / (time.perf_counter() - start):.1f}", refresh=False)
+    def has_work(self) -> bool:
+        return self.scheduler.has_work() or bool(self._encoder_queue)
 
-    def _decoder_step(self, bar) -> int:
-        """One scheduled step on the decoder; returns the number of sampled tokens."""
+    def step(self) -> list:
+        """One separate-encoder batch (if any is queued) and one decoder step (if any work);
+        returns the requests that finished."""
+        finished = self._encoder_batch() if self._encoder_queue else []
+        if self.scheduler.has_work():
+            finished += self._decoder_step()
+        return finished
+
+    def abort(self, request_id) -> None:
+        """Drop a request wherever it is, freeing its pages and pooler slot."""
+        self._encoder_queue = collections.deque(
+            r for r in self._encoder_queue if r.request_id != request_id)
+        self.scheduler.abort(request_id)
+        self.runner.release(request_id)
+
+    def _decoder_step(self) -> list:
+        """One scheduled step on the decoder; returns the requests that finished."""
         out = self.scheduler.schedule()
         assert out.items, "scheduler produced an empty step while requests are pending"
         runner_out = self.runner.execute(out)
@@ -203,11 +222,10 @@ class Engine:
         for req in finished:
             req.finish_time = now
         self._account(out, runner_out)
-        bar.update(len(finished))
-        return len(runner_out.sampled)
+        return finished
 
-    def _encoder_batch(self) -> int:
-        """One batch of queued embedding requests on the separate encoder; returns its size."""
+    def _encoder_batch(self) -> list:
+        """One batch of queued embedding requests on the separate encoder."""
         n = min(len(self._encoder_queue), self.encoder.runner.batch_buckets[-1])
         reqs = [self._encoder_queue.popleft() for _ in range(n)]
         vectors = self.encoder.runner.embed(
@@ -216,7 +234,7 @@ class Engine:
         now = time.perf_counter()
         for req, vec in zip(reqs, vectors):
             req.embedding, req.finish_reason, req.finish_time = vec, "embedded", now
-        return n
+        return reqs
 
     def _account(self, out, runner_out) -> None:
         s = self.stats
@@ -301,7 +319,8 @@ class Engine:
                              f"{sorted(self.adapter_ids) or 'none'}")
         return self.adapter_ids[name]
 
-    def _output(self, req: Request):
+    def output(self, req: Request):
+        """The user-facing output of a (finished) request handle."""
         if req.is_embed:
             latency = None if req.finish_time is None else req.finish_time - req.arrival_time
             return EmbeddingOutput(req.request_id, req.prompt_token_ids, req.embedding,
