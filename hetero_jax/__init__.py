@@ -6,6 +6,7 @@ import importlib
 
 _EXPORTS = {
     "Engine": "hetero_jax.engine",
+    "AsyncEngine": "hetero_jax.async_engine",
     "GenerateRequest": "hetero_jax.engine",
     "EmbedRequest": "hetero_jax.engine",
     "RequestOutput": "hetero_jax.engine",
@@ -13,6 +14,7 @@ _EXPORTS = {
     "PoolingParams": "hetero_jax.params",
     "EngineConfig": "hetero_jax.config",
     "SamplingParams": "hetero_jax.params",
+    "make_engine": "hetero_jax.dedicated",
 }
 
 __all__ = list(_EXPORTS)

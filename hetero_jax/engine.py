@@ -183,7 +183,14 @@ class Engine:
 
         A bad request raises before anything is queued, so the others are not half-added.
         """
-        reqs = [self._make_request(i, r) for i, r in enumerate(requests)]
+        return self.enqueue(self.prepare(requests))
+
+    def prepare(self, requests: list) -> list:
+        """Validate and tokenize requests into `Request` handles without queueing them."""
+        return [self._make_request(i, r) for i, r in enumerate(requests)]
+
+    def enqueue(self, reqs: list) -> list:
+        """Queue prepared handles (between steps); returns them."""
         for req in reqs:
             if req.is_embed and self.encoder:
                 self._encoder_queue.append(req)
