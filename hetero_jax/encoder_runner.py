@@ -19,7 +19,6 @@ import dataclasses
 import functools
 import json
 import os
-import time
 from collections.abc import Sequence
 
 import flax.struct
@@ -27,11 +26,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from hetero_jax.compile_cache import CompileCache
 from hetero_jax.config import pad_to_bucket
 from hetero_jax.models import bert, llama
-from hetero_jax.params import POOLING_KINDS
-
-STREAMING_KINDS = POOLING_KINDS[:4]  # the encoder has no buffered head
+from hetero_jax.params import POOLING_KINDS, STREAMING_KINDS  # the encoder has no buffered head
 
 _ST_MODES = {"mean": "mean", "weightedmean": "weighted_mean", "cls": "cls", "lasttoken": "last"}
 _ST_LEGACY_KEYS = {"pooling_mode_cls_token": "cls", "pooling_mode_max_tokens": "max",
@@ -111,39 +109,33 @@ class EncoderRunner:
 
     def __init__(self, cfg: bert.BertConfig, params, batch_buckets=(1, 2, 4, 8, 16, 32),
                  length_buckets=(16, 32, 64, 128, 256, 512), layer_loop: str = "auto"):
-        if layer_loop not in ("auto", "scan", "unrolled"):
-            raise ValueError(f"layer_loop={layer_loop!r}: expected auto, scan or unrolled")
         if list(batch_buckets) != sorted(batch_buckets) or list(length_buckets) != sorted(
                 length_buckets):
             raise ValueError(f"buckets must be ascending: {batch_buckets=}, {length_buckets=}")
-        if layer_loop == "auto":
-            layer_loop = "unrolled" if jax.default_backend() == "cpu" else "scan"
         self.cfg, self.max_len = cfg, cfg.max_position_embeddings
         self.batch_buckets = tuple(batch_buckets)
         # Buckets above the position limit are dropped; the limit itself is always a bucket.
         self.length_buckets = tuple(b for b in length_buckets if b < self.max_len) + (
             self.max_len,)
-        self.params = llama.split_layers(params) if layer_loop == "unrolled" else params
-        self._executables: dict = {}
-        self.compile_s = 0.0
+        self.params = llama.for_layer_loop(params, layer_loop)
+        self.executable = CompileCache(self._compile)  # (B, N) -> compiled step
 
     @property
     def compiles(self) -> int:
-        return len(self._executables)
+        return len(self.executable)
 
-    def executable(self, key: tuple):
-        """The compiled step for bucket variant (B, N)."""
-        if key not in self._executables:
-            start = time.perf_counter()
-            b, n = key
-            spec = EncodeBatch(token_ids=jax.ShapeDtypeStruct((b, n), jnp.int32),
-                               lengths=jax.ShapeDtypeStruct((b,), jnp.int32),
-                               pooling=jax.ShapeDtypeStruct((b,), jnp.int32),
-                               normalize=jax.ShapeDtypeStruct((b,), jnp.bool_))
-            fn = jax.jit(functools.partial(embed_step, cfg=self.cfg))
-            self._executables[key] = fn.lower(self.params, spec).compile()
-            self.compile_s += time.perf_counter() - start
-        return self._executables[key]
+    @property
+    def compile_s(self) -> float:
+        return self.executable.seconds
+
+    def _compile(self, key: tuple):
+        b, n = key
+        spec = EncodeBatch(token_ids=jax.ShapeDtypeStruct((b, n), jnp.int32),
+                           lengths=jax.ShapeDtypeStruct((b,), jnp.int32),
+                           pooling=jax.ShapeDtypeStruct((b,), jnp.int32),
+                           normalize=jax.ShapeDtypeStruct((b,), jnp.bool_))
+        fn = jax.jit(functools.partial(embed_step, cfg=self.cfg))
+        return fn.lower(self.params, spec).compile()
 
     def warmup(self) -> int:
         """Compile every (batch, length) bucket variant; returns the number of compiles."""

@@ -33,7 +33,8 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
 
 
-POOLING_KINDS = ("mean", "weighted_mean", "cls", "last", "buffered")
+STREAMING_KINDS = ("mean", "weighted_mean", "cls", "last")  # incremental over chunks
+POOLING_KINDS = STREAMING_KINDS + ("buffered",)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -27,6 +27,7 @@ from hetero_jax.models.config import ModelConfig
 from hetero_jax.ops import ragged_paged_attention
 from hetero_jax.sampler import SamplingKnobs, sample
 from hetero_jax import pooler
+from hetero_jax.compile_cache import CompileCache
 from hetero_jax.params import GenKnobs
 from hetero_jax.sched import DECODE, EMBED, RunnerOutput, SampledToken, SchedulerOutput
 
@@ -159,10 +160,8 @@ class Runner:
 
     def __init__(self, model_cfg: ModelConfig, cfg: EngineConfig, params):
         backend = jax.default_backend()
-        loop = cfg.layer_loop if cfg.layer_loop != "auto" else (
-            "unrolled" if backend == "cpu" else "scan")
         self.model_cfg, self.cfg = model_cfg, cfg
-        self.params = llama.split_layers(params) if loop == "unrolled" else params
+        self.params = llama.for_layer_loop(params, cfg.layer_loop)
         dtype = jnp.dtype(cfg.dtype)
         self.state = DeviceState(
             kv=llama.KVCache.zeros(model_cfg, cfg.num_pages, cfg.page_size, dtype),
@@ -173,26 +172,23 @@ class Runner:
         impl = cfg.attention_impl
         self.impl = ("pallas" if backend == "gpu" else "xla") if impl == "auto" else impl
         self.interpret = self.impl == "pallas" and backend != "gpu"  # Pallas off-GPU: interpret
-        self._executables: dict = {}
-        self.compile_s = 0.0
+        self.executable = CompileCache(self._compile)
 
     @property
     def compiles(self) -> int:
-        return len(self._executables)
+        return len(self.executable)
 
-    def executable(self, key: tuple):
-        if key not in self._executables:
-            start = time.perf_counter()
-            t, s, sc, p = key
-            fn = jax.jit(functools.partial(
-                step, model_cfg=self.model_cfg, max_q_len=min(self.cfg.chunk_size, t),
-                num_chunk_seqs=sc, num_logprobs=self.cfg.max_logprobs, impl=self.impl,
-                interpret=self.interpret, head=self.cfg.buffered_head),
-                donate_argnums=(1,))
-            spec = batch_spec(t, s, sc, p)
-            self._executables[key] = fn.lower(self.params, self.state, spec).compile()
-            self.compile_s += time.perf_counter() - start
-        return self._executables[key]
+    @property
+    def compile_s(self) -> float:
+        return self.executable.seconds
+
+    def _compile(self, key: tuple):
+        t, s, sc, p = key
+        fn = jax.jit(functools.partial(
+            step, model_cfg=self.model_cfg, max_q_len=min(self.cfg.chunk_size, t),
+            num_chunk_seqs=sc, num_logprobs=self.cfg.max_logprobs, impl=self.impl,
+            interpret=self.interpret, head=self.cfg.buffered_head), donate_argnums=(1,))
+        return fn.lower(self.params, self.state, batch_spec(t, s, sc, p)).compile()
 
     def release(self, request_id) -> None:
         """Free the pooler slot of an embedding request (finished or aborted)."""

@@ -147,6 +147,15 @@ def split_layers(params) -> dict:
     return dict(params, layers=layers)
 
 
+def for_layer_loop(params, layer_loop: str) -> dict:
+    """Params laid out for `layer_loop`: "scan", "unrolled", or "auto" (unrolled on a CPU)."""
+    if layer_loop not in ("auto", "scan", "unrolled"):
+        raise ValueError(f"layer_loop={layer_loop!r}: expected auto, scan or unrolled")
+    if layer_loop == "auto":
+        layer_loop = "unrolled" if jax.default_backend() == "cpu" else "scan"
+    return split_layers(params) if layer_loop == "unrolled" else params
+
+
 def stack_layers(params) -> dict:
     """Inverse of `split_layers` (a no-op on stacked params)."""
     if not isinstance(params["layers"], tuple):
