@@ -13,7 +13,7 @@ _VOCAB = 512  # ByteTokenizer ids fit; padded to a round size for the LM head.
 
 PRESETS = {
     "tiny": ModelConfig(vocab_size=_VOCAB, hidden_size=256, intermediate_size=512, num_layers=4,
-                        num_heads=8, num_kv_heads=4, head_dim=32, max_position_embeddings=1024,
+                        num_heads=8, num_kv_heads=4, head_dim=32, max_position_embeddings=2048,
                         bos_token_id=ByteTokenizer.bos_token_id,
                         eos_token_ids=(ByteTokenizer.eos_token_id,)),
     "small": ModelConfig(vocab_size=_VOCAB, hidden_size=768, intermediate_size=3072,
