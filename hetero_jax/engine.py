@@ -79,7 +79,9 @@ class Engine:
         """`adapters` maps LoRA adapter names to loaded `lora.LoraAdapter`s (embedding only)."""
         dtype = jnp.dtype((config or EngineConfig()).dtype)
         kv_bytes = 2 * model_cfg.num_layers * model_cfg.num_kv_heads * model_cfg.head_dim * dtype.itemsize
-        self.config = (config or EngineConfig()).resolve(model_cfg.max_position_embeddings, kv_bytes)
+        # Sliding-window attention is not implemented: within the window it equals full attention.
+        max_len = min(model_cfg.max_position_embeddings, model_cfg.sliding_window or 2**31)
+        self.config = (config or EngineConfig()).resolve(max_len, kv_bytes)
         self.model_cfg, self.tokenizer = model_cfg, tokenizer
         params = jax.tree.map(lambda x: jnp.asarray(x, dtype), params)
         self.adapter_ids = {name: i + 1 for i, name in enumerate(adapters or {})}  # 0 = base
