@@ -101,9 +101,13 @@ class Engine:
 
     # -- construction ------------------------------------------------------------------------
     @classmethod
-    def from_preset(cls, name: str, seed: int = 0, config: EngineConfig | None = None) -> "Engine":
+    def from_preset(cls, name: str, seed: int = 0, config: EngineConfig | None = None,
+                    embed_model: str | None = None) -> "Engine":
+        """An embedded model (random weights from `seed`); `embed_model` as in from_pretrained."""
         cfg = preset_config(name)
-        return cls(cfg, llama.init_params(cfg, seed), ByteTokenizer(), config)
+        dtype = jnp.dtype((config or EngineConfig()).dtype)
+        encoder = SeparateEncoder.from_pretrained(embed_model, dtype) if embed_model else None
+        return cls(cfg, llama.init_params(cfg, seed), ByteTokenizer(), config, encoder)
 
     @classmethod
     def from_pretrained(cls, path: str, config: EngineConfig | None = None,
