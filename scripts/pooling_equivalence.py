@@ -13,7 +13,6 @@ import argparse
 import json
 
 import numpy as np
-from tqdm.auto import tqdm
 
 from hetero_jax import Engine, EngineConfig, PoolingParams
 from hetero_jax.params import STREAMING_KINDS
@@ -53,22 +52,23 @@ def main(argv=None):
     lengths = np.linspace(1, args.max_len, args.num_inputs).astype(int)
     inputs = [rng.integers(0, 256, int(n)).tolist() for n in rng.permutation(lengths)]
     chunks = [int(c) for c in args.chunks.split(",")]
+    print(f"{args.num_inputs} inputs of 1..{args.max_len} tokens, preset {args.preset}; "
+          "chunked vs single pass", flush=True)
+    print(f"{'dtype':>8} {'chunk':>5} {'chunks':>6} {'pooling':>13} {'min cos':>9} "
+          f"{'mean relL2':>10} {'p99 relL2':>10}", flush=True)
     rows = []
     for dtype in args.dtypes.split(","):
         want = embed_all(engine_for(args.preset, args.max_len, args.max_len, dtype), inputs)
-        for chunk in tqdm(chunks, desc=dtype):
+        for chunk in chunks:
             got = embed_all(engine_for(args.preset, chunk, args.max_len, dtype), inputs)
             for pooling in STREAMING_KINDS:
-                rows.append(dict(dtype=dtype, chunk=chunk, pooling=pooling,
-                                 max_chunks=-(-args.max_len // chunk),
-                                 **compare(got[pooling], want[pooling])))
-    print(f"{args.num_inputs} inputs of 1..{args.max_len} tokens, preset {args.preset}; "
-          "chunked vs single pass")
-    print(f"{'dtype':>8} {'chunk':>5} {'chunks':>6} {'pooling':>13} {'min cos':>9} "
-          f"{'mean relL2':>10} {'p99 relL2':>10}")
-    for r in rows:
-        print(f"{r['dtype']:>8} {r['chunk']:>5} {r['max_chunks']:>6} {r['pooling']:>13} "
-              f"{r['min_cosine']:>9.6f} {r['mean_rel_l2']:>10.2e} {r['p99_rel_l2']:>10.2e}")
+                r = dict(dtype=dtype, chunk=chunk, pooling=pooling,
+                         max_chunks=-(-args.max_len // chunk),
+                         **compare(got[pooling], want[pooling]))
+                rows.append(r)
+                print(f"{r['dtype']:>8} {r['chunk']:>5} {r['max_chunks']:>6} {r['pooling']:>13} "
+                      f"{r['min_cosine']:>9.6f} {r['mean_rel_l2']:>10.2e} "
+                      f"{r['p99_rel_l2']:>10.2e}", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
