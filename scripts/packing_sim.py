@@ -12,6 +12,17 @@ is built like the `fcfs` scheduler builds it: running decodes first, then runnin
   requests behind it pass (`--atomic-wait skip`, vLLM's rule for a request it cannot chunk).
 `--max-seqs` caps running generation requests (0: no cap).
 
+Queues. `--queues shared` (the default) is the paper's FCFS: one stream, so requests finish
+in the arrival mix and every step's tokens are `gen_throughput * (prefill + decode) +
+embed_throughput * mean embedding length`: generation throughput is proportional to budget
+fill, and chunking, which raises fill, raises generation throughput by the same factor (with
+the defaults x1.9 both). Generation throughput stays unchanged only where generation is not
+queued behind embeddings: `--queues split` keeps each type in its own arrival-ordered queue
+and serves generation first (running chunks, then new requests up to `--max-seqs`), then
+embeddings (running chunks, then new ones) in what is left, as a generation engine at its
+sequence cap would; there `--gen-frac` is unused, and atomic and chunked differ only in the
+embeddings that fill the leftover budget.
+
 Prints and (with `--json PATH`) writes `{"atomic": {...}, "chunked": {...}}`, each with
 `budget_fill` (mean fraction of the budget used per step), `gen_throughput` and
 `embed_throughput` (finished requests per step), and tokens per step of each type; steps
@@ -34,52 +45,63 @@ class Req:
     decode: int  # output tokens not yet generated (0 for an embedding)
 
 
-def new_request(rng: random.Random, args) -> Req:
-    if rng.random() < args.gen_frac:
+def new_request(rng: random.Random, args, cls: str = "all") -> Req:
+    """The next request of the stream of `cls`: all (the `--gen-frac` mix), gen or embed."""
+    if cls == "gen" or (cls == "all" and rng.random() < args.gen_frac):
         return Req(False, args.prefill, args.decode)
     short, long_ = args.embed_lengths
     return Req(True, long_ if rng.random() < args.embed_long_frac else short, 0)
 
 
-def run_step(running: list, queue: list, args, atomic: bool, next_req) -> dict:
-    """One step: returns the tokens it scheduled per type; admits from `queue` in place."""
+def _take(r: Req, n: int, used: dict) -> int:
+    r.todo -= n
+    used["embed" if r.embed else "gen"] += n
+    return n
+
+
+def run_step(running: list, queues: dict, args, atomic: bool, next_req) -> dict:
+    """One step: returns the tokens it scheduled per type; admits from `queues` in place.
+
+    `queues` maps a class (`all`, or `gen` then `embed`) to its arrival-ordered queue; after
+    the decodes, each class in turn gets its running chunks, then admits from its queue.
+    """
     budget = args.budget
     used = {"gen": 0, "embed": 0}
     for r in running:  # decodes first
         if not r.embed and r.todo == 0 and budget > 0:
             n = min(args.decode_step, r.decode, budget)
             r.decode, budget, used["gen"] = r.decode - n, budget - n, used["gen"] + n
-    for r in running:  # then running chunks, in admission order
-        if r.todo > 0 and budget > 0:
-            n = min(args.chunk, r.todo, budget)
-            r.todo, budget = r.todo - n, budget - n
-            used["embed" if r.embed else "gen"] += n
-    i, num_gen = 0, sum(not r.embed for r in running)
-    while budget > 0:  # then new requests in arrival order
-        if i == len(queue):
-            queue.append(next_req())
-        r = queue[i]
-        if not r.embed and args.max_seqs and num_gen >= args.max_seqs:
-            break
-        if r.embed and atomic and r.todo > budget:
-            if args.atomic_wait == "block":
+    num_gen = sum(not r.embed for r in running)
+    for cls, queue in queues.items():
+        for r in running:  # running chunks of the class, in admission order
+            if r.todo > 0 and budget > 0 and cls in ("all", "embed" if r.embed else "gen"):
+                budget -= _take(r, min(args.chunk, r.todo, budget), used)
+        i = 0
+        while budget > 0:  # then new requests of the class in arrival order
+            if i == len(queue):
+                queue.append(next_req(cls))
+            r = queue[i]
+            if not r.embed and args.max_seqs and num_gen >= args.max_seqs:
                 break
-            i += 1
-            continue
-        n = r.todo if (r.embed and atomic) else min(args.chunk, r.todo, budget)
-        r.todo, budget = r.todo - n, budget - n
-        used["embed" if r.embed else "gen"] += n
-        num_gen += not r.embed
-        running.append(queue.pop(i))
+            if r.embed and atomic and r.todo > budget:
+                if args.atomic_wait == "block":
+                    break
+                i += 1
+                continue
+            budget -= _take(r, r.todo if (r.embed and atomic) else min(args.chunk, r.todo, budget),
+                            used)
+            num_gen += not r.embed
+            running.append(queue.pop(i))
     return used
 
 
 def simulate(args, atomic: bool) -> dict:
     rng = random.Random(args.seed)
-    running, queue = [], []
+    running = []
+    queues = {"all": []} if args.queues == "shared" else {"gen": [], "embed": []}
     totals = dict(fill=0.0, gen=0, embed=0, gen_tokens=0, embed_tokens=0)
     for step in range(args.warmup + args.steps):
-        used = run_step(running, queue, args, atomic, lambda: new_request(rng, args))
+        used = run_step(running, queues, args, atomic, lambda cls: new_request(rng, args, cls))
         done = [r for r in running if r.todo == 0 and r.decode == 0]
         running[:] = [r for r in running if r.todo > 0 or r.decode > 0]
         if step < args.warmup:
@@ -107,6 +129,9 @@ def parse_args(argv=None):
     p.add_argument("--decode-step", type=int, default=8)
     p.add_argument("--atomic-wait", choices=("block", "skip"), default="block")
     p.add_argument("--max-seqs", type=int, default=0, help="cap on running generation requests")
+    p.add_argument("--queues", choices=("shared", "split"), default="shared",
+                   help="shared: one arrival-ordered queue (FCFS); split: a generation queue "
+                   "served first, then an embedding queue (needs --max-seqs)")
     p.add_argument("--steps", type=int, default=20000)
     p.add_argument("--warmup", type=int, default=2000)
     p.add_argument("--seed", type=int, default=0)
@@ -117,13 +142,17 @@ def parse_args(argv=None):
         p.error("--embed-lengths takes two positive lengths: short,long")
     if max(args.embed_lengths) > args.budget:
         p.error("an atomic embedding longer than --budget could never run")
+    if args.queues == "split" and not args.max_seqs:
+        p.error("--queues split needs --max-seqs: uncapped generation would take every step")
     return args
 
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
     results = {"atomic": simulate(args, atomic=True), "chunked": simulate(args, atomic=False)}
-    print(f"budget {args.budget}, chunk {args.chunk}, {args.gen_frac:.0%} generation "
+    mix = (f"{args.gen_frac:.0%} generation" if args.queues == "shared" else
+           f"split queues, generation first, at most {args.max_seqs} running")
+    print(f"budget {args.budget}, chunk {args.chunk}, {mix} "
           f"({args.prefill} prefill + {args.decode} decode at {args.decode_step}/step), "
           f"embeddings {args.embed_lengths} ({args.embed_long_frac:.0%} long), "
           f"atomic wait: {args.atomic_wait}, {args.steps} steps")

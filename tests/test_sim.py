@@ -3,6 +3,7 @@ import importlib.util
 import json
 import pathlib
 import random
+import subprocess
 import sys
 
 import pytest
@@ -180,6 +181,41 @@ def test_packing_sim_chunked_fills_the_budget(tmp_path):
         assert {"budget_fill", "gen_throughput", "embed_throughput"} <= set(r)
     assert res["chunked"]["budget_fill"] >= 0.8
     assert res["chunked"]["budget_fill"] >= 1.5 * res["atomic"]["budget_fill"]
+
+
+def test_packing_sim_gen_throughput_tracks_fill_in_one_queue_and_not_in_split_queues(tmp_path):
+    """One FCFS queue: requests finish in the arrival mix, so generation throughput moves with
+    fill. Split queues with generation first: it stays put while chunks fill the leftover."""
+    packing = load_script("packing_sim")
+    shared = packing.main(["--steps", "3000", "--warmup", "500"])
+    fill = shared["chunked"]["budget_fill"] / shared["atomic"]["budget_fill"]
+    gen = shared["chunked"]["gen_throughput"] / shared["atomic"]["gen_throughput"]
+    assert gen == pytest.approx(fill, rel=0.05)
+    split = packing.main(["--queues", "split", "--max-seqs", "16", "--steps", "3000",
+                          "--warmup", "500"])
+    a, c = split["atomic"], split["chunked"]
+    assert c["gen_throughput"] == pytest.approx(a["gen_throughput"], rel=0.02)
+    assert c["budget_fill"] >= 0.8 and c["budget_fill"] >= a["budget_fill"] + 0.2
+    assert c["embed_throughput"] > a["embed_throughput"]
+    with pytest.raises(SystemExit):
+        packing.main(["--queues", "split"])
+
+
+def test_bench_hol_sim_only_imports_no_jax_and_finds_the_slot_bound_case(tmp_path):
+    """N = max_num_seqs generation requests with long decodes hold every sequence slot under
+    FCFS, so the embeddings behind them wait for whole generations; IBS interleaves them."""
+    path = tmp_path / "hol.json"
+    hol = load_script("bench_hol")
+    data = hol.main(["--sim-only", "--n", "32", "--max-tokens", "128", "--json", str(path)])
+    res = data["results"]["sim"]
+    assert set(res) == {"ibs", "fcfs", "homogeneous"}
+    assert res["ibs"]["emb_p50_s"] < 0.5 * res["fcfs"]["emb_p50_s"]
+    assert res["ibs"]["emb_p99_s"] < res["fcfs"]["emb_p99_s"]
+    assert json.loads(path.read_text())["targets"]["sim"]["emb_p99_fcfs_over_ibs"] > 1
+    code = ("import runpy, sys; sys.argv = ['bench_hol', '--sim-only', '--n', '4']; "
+            "runpy.run_path('scripts/bench_hol.py', run_name='__main__'); "
+            "assert not [m for m in sys.modules if m.split('.')[0] in ('jax', 'jaxlib')]")
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, capture_output=True)
 
 
 def test_bench_schedule_runs(capsys):

@@ -155,7 +155,10 @@ POLICIES = {p.name: p for p in (IbsPolicy, FcfsPolicy, HomogeneousPolicy)}
 def make_policy(name: str) -> Policy:
     if name == "dedicated":
         raise ValueError("'dedicated' is an engine mode (one embedding and one generation "
-                         "engine), not a scheduling policy; pick one of " + ", ".join(POLICIES))
+                         "engine), not a scheduling policy: build it with "
+                         "hetero_jax.make_engine(name, EngineConfig(scheduler='dedicated')) or "
+                         "hetero_jax.dedicated.DedicatedEngine; scheduling policies: "
+                         + ", ".join(POLICIES))
     if name not in POLICIES:
         raise ValueError(f"unknown scheduler policy {name!r}; expected one of {', '.join(POLICIES)}")
     return POLICIES[name]()

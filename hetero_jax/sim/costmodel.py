@@ -8,8 +8,8 @@ query-key pairs, sampled rows), computed from a `SchedulerOutput`. Out: seconds.
 - `LinearCostModel` (a): an intercept plus a coefficient per step feature, read from JSON:
   `{"type": "linear", "intercept_s": 1e-3, "coef_s": {"tokens": 2e-5, "context_tokens": 1e-8},
   "token_buckets": [16, 32, 64, 128, 256]}`; with `token_buckets` the `tokens` feature is
-  padded to its bucket, as the engine pads a step. `scripts/calibrate.py` (not written yet) is
-  to fit it to step times measured on this machine.
+  padded to its bucket, as the engine pads a step. `scripts/calibrate.py` fits it to the
+  engine's step times measured on this machine (extra keys such as `fit` are ignored).
 """
 from __future__ import annotations
 

@@ -1,0 +1,288 @@
+"""Dedicated mode: the paper's static split, one embedding engine and one generation engine.
+
+In: the same requests as `Engine.run` (`GenerateRequest`s and `EmbedRequest`s). Out: the same
+`RequestOutput`s / `EmbeddingOutput`s, in input order, with request ids and metrics as one
+engine would number and time them (`arrival_time` is when `run` was called).
+
+Each engine runs in its own worker process (multiprocessing, spawn) on disjoint devices: on a
+CPU each worker is pinned to its own core (`os.sched_setaffinity`) and XLA gets one thread
+(`XLA_FLAGS` is set in the worker before it imports jax; this module imports no jax at the
+top, so the worker can). The parent talks to each worker through one duplex pipe:
+`("run", requests) -> ("ok", (outputs, stats))` or `("error", (type, message, traceback))`;
+`("warmup", None) -> ("ok", compiles)`; `("close", None)` ends it. `run` sends the embedding
+requests to one worker and the generation requests to the other, then waits for both, so the
+two kinds run at the same time on their own cores and never share a step.
+
+`make_engine(preset_or_path, config)` returns a `DedicatedEngine` when
+`config.scheduler == "dedicated"`, else an `Engine`.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import multiprocessing
+import os
+import re
+import time
+import traceback
+import weakref
+
+from hetero_jax.config import EngineConfig
+
+EMBED_ROLE, GEN_ROLE = "embed", "generate"
+_ONE_THREAD = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+_ERRORS = {"ValueError": ValueError, "FileNotFoundError": FileNotFoundError}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSource:
+    """How a worker builds its engine: a preset (name, seed) or a Hugging Face directory."""
+
+    preset: str | None = None
+    seed: int = 0
+    path: str | None = None
+    embed_model: str | None = None  # a separate encoder (embedding worker only)
+    embed_adapter: str | dict | None = None  # LoRA adapters (embedding worker only)
+
+    def build(self, role: str, config: EngineConfig):
+        from hetero_jax.engine import Engine  # imports jax: only inside a worker
+
+        if self.preset is not None:
+            return Engine.from_preset(self.preset, self.seed, config)
+        if role == EMBED_ROLE:
+            return Engine.from_pretrained(self.path, config, self.embed_model, self.embed_adapter)
+        return Engine.from_pretrained(self.path, config)
+
+
+def _worker(role: str, core: int, spec: ModelSource, config: EngineConfig, conn) -> None:
+    """Worker process: pin to `core`, one XLA thread, build the engine, serve the pipe."""
+    os.sched_setaffinity(0, {core})
+    os.environ["XLA_FLAGS"] = _one_thread_flags(os.environ.get("XLA_FLAGS", ""))
+    try:
+        engine = spec.build(role, config)
+    except Exception as e:  # noqa: BLE001 - reported to the parent, which raises it
+        conn.send(("error", (type(e).__name__, str(e), traceback.format_exc())))
+        return
+    conn.send(("ok", None))
+    while True:
+        cmd, arg = conn.recv()
+        if cmd == "close":
+            return
+        try:
+            if cmd == "run":
+                result = (engine.run(arg, use_tqdm=False), engine.stats)
+            elif cmd == "warmup":
+                result = engine.warmup()
+            else:
+                raise ValueError(f"unknown command {cmd!r}")
+        except Exception as e:  # noqa: BLE001 - the engine stays usable; the parent raises
+            conn.send(("error", (type(e).__name__, str(e), traceback.format_exc())))
+            continue
+        conn.send(("ok", result))
+
+
+def _one_thread_flags(flags: str) -> str:
+    return flags if _ONE_THREAD in flags else f"{flags} {_ONE_THREAD}".strip()
+
+
+@contextlib.contextmanager
+def _child_env():
+    """XLA_FLAGS for a child started inside (spawn copies the environment at start, so even
+    modules the child imports before `_worker` runs see it); restored afterwards."""
+    before = os.environ.get("XLA_FLAGS")
+    os.environ["XLA_FLAGS"] = _one_thread_flags(before or "")
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["XLA_FLAGS"]
+        else:
+            os.environ["XLA_FLAGS"] = before
+
+
+def _stop(procs: list, conns: list) -> None:
+    """Ask the workers to end, then make sure they did (also runs at interpreter exit)."""
+    for conn in conns:
+        try:
+            conn.send(("close", None))
+        except (OSError, ValueError):
+            pass
+    for proc in procs:
+        proc.join(timeout=10)
+        if proc.is_alive():
+            proc.terminate()
+            proc.join(timeout=5)
+
+
+class DedicatedEngine:
+    """An embedding engine and a generation engine in two processes on disjoint cores."""
+
+    def __init__(self, spec: ModelSource, config: EngineConfig | None = None,
+                 cores: tuple | None = None):
+        """`cores`: (embedding core, generation core); None picks the first two allowed
+        cores (both share one if only one is allowed). `config.scheduler` is ignored: each
+        engine serves one kind of request, in arrival order."""
+        config = config or EngineConfig()
+        self.config = dataclasses.replace(config, scheduler="fcfs")
+        if cores is None:
+            allowed = sorted(os.sched_getaffinity(0))
+            cores = (allowed[0], allowed[1 % len(allowed)])
+        self.cores = dict(zip((EMBED_ROLE, GEN_ROLE), cores))
+        ctx = multiprocessing.get_context("spawn")
+        self._conns, self._procs = {}, {}
+        for role in (EMBED_ROLE, GEN_ROLE):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_worker, name=f"hetero-jax-{role}", daemon=True,
+                               args=(role, self.cores[role], spec, self.config, child))
+            with _child_env():
+                proc.start()
+            child.close()
+            self._conns[role], self._procs[role] = parent, proc
+        self._finalizer = weakref.finalize(self, _stop, list(self._procs.values()),
+                                           list(self._conns.values()))
+        for role in self._conns:
+            self._receive(role)
+        self.stats: dict = {}  # role -> the EngineStats of that worker after the last run
+        self._next_id = 0
+
+    # -- construction ------------------------------------------------------------------------
+    @classmethod
+    def from_preset(cls, name: str, seed: int = 0, config: EngineConfig | None = None,
+                    cores: tuple | None = None) -> "DedicatedEngine":
+        from hetero_jax.models.presets import preset_config
+
+        preset_config(name)  # an unknown name fails here, before any process starts
+        return cls(ModelSource(preset=name, seed=seed), config, cores)
+
+    @classmethod
+    def from_pretrained(cls, path: str, config: EngineConfig | None = None,
+                        embed_model: str | None = None, embed_adapter: str | dict | None = None,
+                        cores: tuple | None = None) -> "DedicatedEngine":
+        if not os.path.isdir(path):
+            raise FileNotFoundError(f"model directory {path!r} does not exist")
+        return cls(ModelSource(path=path, embed_model=embed_model, embed_adapter=embed_adapter),
+                   config, cores)
+
+    def close(self) -> None:
+        """End both workers; the engine cannot run afterwards."""
+        self._finalizer()
+
+    def __enter__(self) -> "DedicatedEngine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- serving -----------------------------------------------------------------------------
+    def warmup(self) -> int:
+        """Compile every step variant in both workers (at the same time); returns the total."""
+        for conn in self._conns.values():
+            conn.send(("warmup", None))
+        return sum(self._receive(role) for role in self._conns)
+
+    def generate(self, prompts, params=None, use_tqdm: bool = True) -> list:
+        from hetero_jax.engine import Engine
+
+        return Engine.generate(self, prompts, params, use_tqdm)
+
+    def embed(self, inputs, params=None, use_tqdm: bool = True):
+        from hetero_jax.engine import Engine
+
+        return Engine.embed(self, inputs, params, use_tqdm)
+
+    def run(self, requests: list, use_tqdm: bool = True) -> list:
+        """Embedding requests to one worker, generation requests to the other, at once;
+        outputs in input order. `use_tqdm` is accepted for API parity and ignored."""
+        from hetero_jax.engine import EmbedRequest, GenerateRequest
+
+        start = time.perf_counter()
+        requests = list(requests)
+        split = {EMBED_ROLE: [], GEN_ROLE: []}  # role -> [(index, request)]
+        for i, r in enumerate(requests):
+            if not isinstance(r, (GenerateRequest, EmbedRequest)):
+                raise ValueError(f"request {i} is a {type(r).__name__}; expected "
+                                 "GenerateRequest or EmbedRequest")
+            role = EMBED_ROLE if isinstance(r, EmbedRequest) else GEN_ROLE
+            split[role].append((i, r if role == EMBED_ROLE else self._seeded(i, r)))
+        sent = [role for role, items in split.items() if items]
+        for role in sent:
+            self._conns[role].send(("run", [r for _, r in split[role]]))
+        results, errors = {}, []
+        for role in sent:  # wait for every worker, even after one failed
+            try:
+                results[role], self.stats[role] = self._receive(role)
+            except ValueError as e:
+                errors.append(_global_index(e, [i for i, _ in split[role]]))
+        if errors:
+            raise errors[0]
+        outs = [None] * len(requests)
+        for role in sent:
+            for (i, _), out in zip(split[role], results[role]):
+                outs[i] = self._renumber(out, self._next_id + i, start)
+        self._next_id += len(requests)
+        return outs
+
+    # -- helpers -----------------------------------------------------------------------------
+    def _seeded(self, index: int, r):
+        """The request with the seed `Engine` would give it (its default depends on the id)."""
+        if r.params.seed is not None:
+            return r
+        seed = (self.config.seed * 1_000_003 + self._next_id + index) % 2**32
+        return dataclasses.replace(r, params=dataclasses.replace(r.params, seed=seed))
+
+    @staticmethod
+    def _renumber(out, request_id: int, start: float):
+        """Engine-wide request id; times from `start` (perf_counter is system-wide)."""
+        m = dict(out.metrics, arrival_time=start)
+        for key, since in (("latency_s", "finish_time"), ("ttft_s", "first_token_time")):
+            if key in m:
+                m[key] = None if m.get(since) is None else m[since] - start
+        return dataclasses.replace(out, request_id=request_id, metrics=m)
+
+    def _receive(self, role: str):
+        """The worker's answer; raises its error, or RuntimeError if the worker died."""
+        conn, proc = self._conns[role], self._procs[role]
+        while not conn.poll(1.0):
+            if not proc.is_alive():
+                raise RuntimeError(f"the {role} worker (pid {proc.pid}) died with exit code "
+                                   f"{proc.exitcode}")
+        status, payload = conn.recv()
+        if status == "ok":
+            return payload
+        name, message, trace = payload
+        if name in _ERRORS:
+            raise _ERRORS[name](message)
+        raise RuntimeError(f"the {role} worker failed: {name}: {message}\n{trace}")
+
+
+def _global_index(error: ValueError, indices: list) -> ValueError:
+    """A worker's error names the request by its index in that worker's list (`prompt 2`,
+    `input 0`); rename it by its index in the caller's list."""
+    match = re.match(r"(prompt|input) (\d+)\b", str(error))
+    if not match or int(match[2]) >= len(indices):
+        return error
+    kind, local = match[1], int(match[2])
+    return type(error)(f"{kind} {indices[local]}{str(error)[match.end():]}")
+
+
+def make_engine(preset_or_path: str, config: EngineConfig | None = None, seed: int = 0):
+    """An engine for a preset name or a Hugging Face directory: a `DedicatedEngine` when
+    `config.scheduler == "dedicated"`, else an `Engine` with that scheduling policy."""
+    from hetero_jax.models.presets import PRESETS
+
+    config = config or EngineConfig()
+    dedicated = config.scheduler == "dedicated"
+    if preset_or_path in PRESETS:
+        if dedicated:
+            return DedicatedEngine.from_preset(preset_or_path, seed, config)
+        from hetero_jax.engine import Engine
+
+        return Engine.from_preset(preset_or_path, seed, config)
+    if not os.path.isdir(preset_or_path):
+        raise ValueError(f"{preset_or_path!r} is neither a preset ({', '.join(PRESETS)}) nor a "
+                         "model directory")
+    if dedicated:
+        return DedicatedEngine.from_pretrained(preset_or_path, config)
+    from hetero_jax.engine import Engine
+
+    return Engine.from_pretrained(preset_or_path, config)

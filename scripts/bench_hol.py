@@ -1,0 +1,254 @@
+"""Head-of-line scenario (paper §5.3, scaled to this machine): p99 latency per type per policy.
+
+`--n` generation requests (`--gen-prompt` tokens, `--max-tokens` new tokens, greedy, no early
+stop) followed by `--n` embedding requests (`--embed-len` tokens), all at time 0. Each policy
+(`ibs`, `fcfs`, `homogeneous`; `dedicated` on request) runs the same requests
+- on the real engine (`--preset small`): one engine whose scheduler is replaced per policy,
+  so the compiled step variants are shared; each policy first runs the workload once untimed
+  (scheduling is deterministic, so the timed runs compile nothing: checked), then `--repeats`
+  timed runs go round robin over the policies and the median of each metric is reported,
+  with the engine's CPU time over wall time and the load average (other processes on the
+  cores slow every policy; round robin spreads that over all of them);
+- in the simulator (`hetero_jax.sim`, imports no jax) with the same scheduler settings and the
+  cost model `--cost` (a JSON from `scripts/calibrate.py`), else a roofline (`--roofline`).
+Prints one table (latency p50/p99 per type, generation TTFT p99, makespan) and the target
+ratios: embedding p99 of `fcfs` and `homogeneous` over `ibs`, and the change of generation
+p99 under `ibs` against `fcfs`. `--json PATH` writes the same numbers.
+
+    python scripts/bench_hol.py --cost calibration/small.json --json hol.json   # ~4 minutes
+    python scripts/bench_hol.py --sim-only --n 64                               # seconds
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import os
+import statistics
+import time
+
+from hetero_jax.sched import EMBED, GENERATE, SchedulerConfig
+from hetero_jax.sim import (HARDWARE, LengthDist, ModelSpec, RooflineCostModel, SimConfig,
+                            WorkloadConfig, load_cost_model, percentile, simulate)
+
+METRICS = ("gen_p50_s", "gen_p99_s", "gen_ttft_p99_s", "emb_p50_s", "emb_p99_s", "makespan_s")
+
+
+def summarize(gen_lat: list, gen_ttft: list, emb_lat: list, makespan: float) -> dict:
+    return {"gen_p50_s": percentile(gen_lat, 50), "gen_p99_s": percentile(gen_lat, 99),
+            "gen_ttft_p99_s": percentile(gen_ttft, 99), "emb_p50_s": percentile(emb_lat, 50),
+            "emb_p99_s": percentile(emb_lat, 99), "makespan_s": makespan}
+
+
+def engine_config(args):
+    from hetero_jax import EngineConfig
+
+    return EngineConfig(token_budget=args.budget, chunk_size=args.chunk,
+                        max_num_seqs=args.max_num_seqs, max_chunk_seqs=args.max_chunk_seqs,
+                        max_model_len=args.max_model_len, scheduler="fcfs", seed=args.seed)
+
+
+def hol_requests(args) -> list:
+    """N generation requests, then N embedding requests (random token ids, seeded)."""
+    import numpy as np
+
+    from hetero_jax import EmbedRequest, GenerateRequest, SamplingParams
+
+    rng = np.random.default_rng(args.seed)
+    sp = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+    gen = [GenerateRequest(rng.integers(1, 256, args.gen_prompt).tolist(), sp)
+           for _ in range(args.n)]
+    return gen + [EmbedRequest(rng.integers(1, 256, args.embed_len).tolist())
+                  for _ in range(args.n)]
+
+
+def timed_run(engine, requests: list) -> tuple[dict, int]:
+    """Metrics of one run, and how many step variants it compiled.
+
+    `cpu_per_wall` is this process's CPU time over the wall time (about the number of cores
+    the engine kept busy; well below it when other processes share the cores). `load1` is the
+    1-minute load average when the run started.
+    """
+    before, load1 = _compiles(engine), os.getloadavg()[0]
+    start, cpu = time.perf_counter(), time.process_time()
+    outs = engine.run(requests, use_tqdm=False)
+    makespan = time.perf_counter() - start
+    gens = [o for o in outs if hasattr(o, "token_ids")]
+    embs = [o for o in outs if not hasattr(o, "token_ids")]
+    metrics = summarize([o.metrics["latency_s"] for o in gens], [o.metrics["ttft_s"] for o in gens],
+                        [o.metrics["latency_s"] for o in embs], makespan)
+    in_process = hasattr(engine, "runner")  # a DedicatedEngine computes in its workers
+    metrics.update(cpu_per_wall=(time.process_time() - cpu) / makespan if in_process else None,
+                   load1=load1)
+    return metrics, _compiles(engine) - before
+
+
+def _compiles(engine) -> int:
+    if hasattr(engine, "runner"):
+        return engine.runner.compiles
+    return sum(s.compiles for s in engine.stats.values())
+
+
+def _use(engine, policy: str):
+    """The engine that serves `policy`: the shared one gets a fresh scheduler with it."""
+    from hetero_jax.sched import Scheduler
+
+    if policy != "dedicated":
+        engine.scheduler = Scheduler(dataclasses.replace(engine.scheduler.cfg, policy=policy))
+    return engine
+
+
+def run_real(args) -> dict:
+    """Every policy on the real engine; {policy: median metrics of its timed runs}.
+
+    Each policy first runs once untimed (it compiles its variants); then the timed runs go
+    round robin over the policies, so a slow spell of the machine hits every policy alike.
+    """
+    from hetero_jax import Engine
+    from hetero_jax.dedicated import DedicatedEngine
+
+    cfg, requests = engine_config(args), hol_requests(args)
+    shared = Engine.from_preset(args.preset, args.seed, cfg)
+    engines = {p: shared for p in args.policies if p != "dedicated"}
+    with contextlib.ExitStack() as stack:
+        if "dedicated" in args.policies:
+            engines["dedicated"] = stack.enter_context(
+                DedicatedEngine.from_preset(args.preset, args.seed, cfg))
+        for policy in args.policies:
+            start = time.perf_counter()
+            _use(engines[policy], policy).run(requests, use_tqdm=False)
+            print(f"  real {policy}: warm-up {time.perf_counter() - start:.0f} s", flush=True)
+        runs = {p: [] for p in args.policies}
+        for _ in range(args.repeats):
+            for policy in args.policies:
+                runs[policy].append(timed_run(_use(engines[policy], policy), requests))
+    results = {}
+    for policy, rs in runs.items():
+        keys = METRICS + ("cpu_per_wall", "load1")
+        results[policy] = {k: None if rs[0][0][k] is None else
+                           statistics.median(m[k] for m, _ in rs) for k in keys}
+        results[policy].update(compiles_while_timed=sum(n for _, n in rs), repeats=len(rs),
+                               emb_p99_runs_s=[m["emb_p99_s"] for m, _ in rs],
+                               gen_p99_runs_s=[m["gen_p99_s"] for m, _ in rs])
+    return results
+
+
+def sim_cost(args):
+    if args.cost:
+        return load_cost_model(args.cost)
+    from hetero_jax.models.presets import preset_config
+
+    spec = ModelSpec.from_config(preset_config(args.preset), args.preset)
+    return RooflineCostModel(spec, HARDWARE[args.roofline])
+
+
+def run_sim(args, num_pages: int) -> dict:
+    """Every policy but `dedicated` in the simulator; {policy: metrics}."""
+    cost, results = sim_cost(args), {}
+    workload = WorkloadConfig(
+        num_requests=2 * args.n, embed_frac=0.5, gen_prompt=LengthDist((args.gen_prompt,)),
+        gen_output=LengthDist((args.max_tokens,)), embed_len=LengthDist((args.embed_len,)),
+        arrival="burst", order="gen-first", seed=args.seed)
+    for policy in args.policies:
+        if policy == "dedicated":
+            continue
+        sched = SchedulerConfig(token_budget=args.budget, chunk_size=args.chunk,
+                                max_num_seqs=args.max_num_seqs,
+                                max_chunk_seqs=args.max_chunk_seqs, page_size=16,
+                                num_pages=num_pages, max_model_len=args.max_model_len,
+                                policy=policy)
+        r = simulate(SimConfig(sched, workload), cost)
+        g, e = r.per_type[GENERATE], r.per_type[EMBED]
+        results[policy] = {
+            "gen_p50_s": g["latency_p50_s"], "gen_p99_s": g["latency_p99_s"],
+            "gen_ttft_p99_s": g["ttft_p99_s"], "emb_p50_s": e["latency_p50_s"],
+            "emb_p99_s": e["latency_p99_s"], "makespan_s": r.makespan_s,
+            "budget_fill": r.avg_budget_fill}
+    return {"cost_model": cost.describe(), "policies": results}
+
+
+def targets(results: dict) -> dict:
+    """Embedding p99 of fcfs / homogeneous over ibs; generation p99 change of ibs vs fcfs."""
+    ibs = results.get("ibs")
+    if not ibs:
+        return {}
+    out = {f"emb_p99_{p}_over_ibs": results[p]["emb_p99_s"] / ibs["emb_p99_s"]
+           for p in ("fcfs", "homogeneous", "dedicated") if p in results}
+    if "fcfs" in results:
+        out["gen_p99_ibs_vs_fcfs"] = ibs["gen_p99_s"] / results["fcfs"]["gen_p99_s"] - 1
+    return out
+
+
+def print_table(sections: dict) -> None:
+    head = (f"{'where':5s} {'policy':12s} {'gen p50':>8s} {'gen p99':>8s} {'ttft p99':>8s} "
+            f"{'emb p50':>8s} {'emb p99':>8s} {'makespan':>8s} {'cpu/wall':>8s} {'load1':>5s}"
+            "   (ms)")
+    print(head)
+    for where, results in sections.items():
+        for policy, m in results.items():
+            note = (f"  ({m['compiles_while_timed']} compiles while timed)"
+                    if m.get("compiles_while_timed") else "")
+            cpu, load = m.get("cpu_per_wall"), m.get("load1")
+            extra = (f" {'-' if cpu is None else f'{cpu:.2f}':>8s}"
+                     f" {'-' if load is None else f'{load:.1f}':>5s}")
+            print(f"{where:5s} {policy:12s} " + " ".join(f"{1e3 * m[k]:8.1f}" for k in METRICS)
+                  + extra + note)
+    for where, results in sections.items():
+        t = targets(results)
+        if t:
+            print(f"{where}: " + ", ".join(
+                f"{k} {v:+.1%}" if k.startswith("gen") else f"{k} x{v:.2f}" for k, v in t.items()))
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--preset", default="small")
+    p.add_argument("--n", type=int, default=32, help="requests of each type")
+    p.add_argument("--gen-prompt", type=int, default=128)
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--embed-len", type=int, default=128)
+    p.add_argument("--policies", default="ibs,fcfs,homogeneous",
+                   help="comma-separated: ibs, fcfs, homogeneous, dedicated")
+    p.add_argument("--budget", type=int, default=256)
+    p.add_argument("--chunk", type=int, default=64)
+    p.add_argument("--max-num-seqs", type=int, default=32)
+    p.add_argument("--max-chunk-seqs", type=int, default=4)
+    p.add_argument("--max-model-len", type=int, default=512)
+    p.add_argument("--repeats", type=int, default=2, help="timed runs per policy (median)")
+    p.add_argument("--cost", help="simulator cost model JSON (scripts/calibrate.py)")
+    p.add_argument("--roofline", default="h200", choices=sorted(HARDWARE),
+                   help="simulator roofline when --cost is not given")
+    p.add_argument("--sim-only", action="store_true", help="skip the real engine (no jax)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", metavar="PATH")
+    args = p.parse_args(argv)
+    args.policies = args.policies.split(",")
+    bad = set(args.policies) - {"ibs", "fcfs", "homogeneous", "dedicated"}
+    if bad:
+        p.error(f"unknown policies {sorted(bad)}")
+    return args
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    print(f"head-of-line: {args.n} generation ({args.gen_prompt} prompt + {args.max_tokens} "
+          f"new tokens) then {args.n} embeddings ({args.embed_len} tokens) at t=0; budget "
+          f"{args.budget}, chunk {args.chunk}, {args.max_num_seqs} seqs", flush=True)
+    sections, num_pages = {}, 1 + args.max_num_seqs * -(-args.max_model_len // 16)
+    if not args.sim_only:
+        sections["real"] = run_real(args)
+    sim = run_sim(args, num_pages)
+    sections["sim"] = sim["policies"]
+    print(f"sim cost model: {sim['cost_model']}")
+    print_table(sections)
+    data = {"config": vars(args), "sim_cost_model": sim["cost_model"], "results": sections,
+            "targets": {where: targets(r) for where, r in sections.items()}}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(data, f, indent=2)
+    return data
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,79 @@
+"""Dedicated mode: two worker processes give what one engine gives, in input order."""
+import os
+
+import numpy as np
+import pytest
+
+from hetero_jax import (EmbedRequest, Engine, EngineConfig, GenerateRequest, PoolingParams,
+                        SamplingParams, make_engine)
+from hetero_jax.dedicated import DedicatedEngine
+
+CONFIG = dict(token_budget=64, chunk_size=32, max_num_seqs=8, max_model_len=256,
+              token_buckets=(64,), chunk_seq_buckets=(4,), page_buckets=(16,))  # one variant
+
+
+def requests():
+    gen = [GenerateRequest([256, 5, 6, 7 + i], SamplingParams(max_tokens=10, temperature=0))
+           for i in range(3)]
+    emb = [EmbedRequest(list(range(3 + 37 * i)), PoolingParams("mean")) for i in range(3)]
+    return [gen[0], emb[0], emb[1], gen[1], EmbedRequest("hello", PoolingParams("last")),
+            gen[2], emb[2], GenerateRequest([256, 9], SamplingParams(max_tokens=6, seed=3))]
+
+
+@pytest.fixture(scope="module")
+def dedicated():
+    engine = make_engine("tiny", EngineConfig(scheduler="dedicated", **CONFIG))
+    yield engine
+    engine.close()
+
+
+def test_same_tokens_and_embeddings_as_one_engine(dedicated):
+    assert isinstance(dedicated, DedicatedEngine)
+    want = Engine.from_preset("tiny", config=EngineConfig(**CONFIG)).run(requests(), False)
+    got = dedicated.run(requests())
+    assert [type(o) for o in got] == [type(o) for o in want]
+    assert [o.request_id for o in got] == list(range(len(want)))
+    for g, w in zip(got, want):
+        if hasattr(w, "token_ids"):
+            assert g.token_ids == w.token_ids and g.finish_reason == w.finish_reason
+            assert 0 < g.metrics["ttft_s"] <= g.metrics["latency_s"]
+        else:
+            np.testing.assert_allclose(g.embedding, w.embedding, rtol=1e-5, atol=1e-6)
+            assert g.metrics["latency_s"] > 0
+    starts = {o.metrics["arrival_time"] for o in got}
+    assert len(starts) == 1, "every request arrives when run() is called"
+    assert set(dedicated.stats) == {"embed", "generate"}
+    assert dedicated.stats["embed"].generated_tokens == 0
+
+
+def test_workers_are_pinned_to_their_own_core_with_one_xla_thread(dedicated):
+    cores = dedicated.cores
+    for role, proc in dedicated._procs.items():
+        assert os.sched_getaffinity(proc.pid) == {cores[role]}
+        with open(f"/proc/{proc.pid}/environ", "rb") as f:
+            env = f.read().decode(errors="replace")
+        assert "--xla_cpu_multi_thread_eigen=false" in env
+    if len(os.sched_getaffinity(0)) > 1:
+        assert cores["embed"] != cores["generate"]
+
+
+def test_bad_input_raises_and_the_engine_stays_usable(dedicated):
+    with pytest.raises(ValueError, match="input 2 is empty"):
+        dedicated.run([GenerateRequest([256, 1], SamplingParams(max_tokens=2)),
+                       EmbedRequest([1]), EmbedRequest([])])
+    with pytest.raises(ValueError, match="prompt 1: token id 9999"):
+        dedicated.run([EmbedRequest([1]), GenerateRequest([9999])])
+    with pytest.raises(ValueError, match="expected GenerateRequest"):
+        dedicated.run(["just a string"])
+    vec = dedicated.embed([[1, 2, 3]], PoolingParams("mean"))
+    assert vec.shape == (1, 256) and np.isclose(np.linalg.norm(vec), 1.0)
+    (out,) = dedicated.generate([[256, 1]], SamplingParams(max_tokens=3, temperature=0))
+    assert len(out.token_ids) == 3
+
+
+def test_make_engine_picks_the_engine_and_refuses_unknown_names():
+    with pytest.raises(ValueError, match="neither a preset"):
+        make_engine("no-such-model", EngineConfig(scheduler="dedicated"))
+    with pytest.raises(ValueError, match="make_engine"):
+        Engine.from_preset("tiny", config=EngineConfig(scheduler="dedicated", **CONFIG))
+    assert type(make_engine("tiny", EngineConfig(scheduler="ibs", **CONFIG))) is Engine
