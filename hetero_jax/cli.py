@@ -2,9 +2,11 @@
 
     hetero-jax generate [--preset small | --model DIR] [--num-prompts N] [--max-tokens N] ...
     hetero-jax sim [--policy ibs] [--cost roofline:h200] ...
+    hetero-jax bench [--preset small] [--ratios 9:1,5:5,1:9] [--json PATH] [--plot PATH] ...
 
 `generate` runs a batch generation with a progress bar and prints a throughput summary;
-`sim` runs a scheduling policy in the discrete-event simulator (`hetero_jax.sim`).
+`sim` runs a scheduling policy in the discrete-event simulator (`hetero_jax.sim`);
+`bench` runs every scheduler on the same closed-loop workload (`hetero_jax.bench`).
 """
 from __future__ import annotations
 
@@ -88,6 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="command", required=True)
     sub.add_parser("sim", help="simulate a scheduling policy against a cost model "
                    "(hetero-jax sim --help)", add_help=False)
+    sub.add_parser("bench", help="closed-loop benchmark of every scheduler side by side "
+                   "(hetero-jax bench --help)", add_help=False)
     g = sub.add_parser("generate", help="batch generation with a throughput summary")
     g.add_argument("--preset", default="small", help="embedded model: tiny or small")
     g.add_argument("--model", default=None, help="local Hugging Face directory (overrides --preset)")
@@ -111,6 +115,13 @@ def main(argv=None) -> int:
         from hetero_jax.sim.cli import sim_main
         sim_main(argv[1:])
         return 0
+    if argv[:1] == ["bench"]:
+        from hetero_jax.bench import bench_main
+        try:
+            return bench_main(argv[1:])
+        except (ValueError, FileNotFoundError) as e:
+            print(f"hetero-jax bench: error: {e}", file=sys.stderr)
+            return 2
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

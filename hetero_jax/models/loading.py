@@ -114,3 +114,53 @@ def load_params(model_dir: str, cfg: ModelConfig, dtype) -> dict:
 def load_hf_model(model_dir: str, dtype=jnp.float32) -> tuple[ModelConfig, dict]:
     cfg = model_config_from_hf(read_hf_config(model_dir), os.path.join(model_dir, "config.json"))
     return cfg, load_params(model_dir, cfg, dtype)
+
+
+_MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
+                "Qwen2ForCausalLM": "qwen2"}
+
+
+def hf_config_dict(cfg: ModelConfig) -> dict:
+    """The Hugging Face `config.json` of a ModelConfig (inverse of `model_config_from_hf`)."""
+    out = dict(architectures=[cfg.architecture], model_type=_MODEL_TYPES[cfg.architecture],
+               vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+               intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_layers,
+               num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
+               head_dim=cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps, rope_theta=cfg.rope_theta,
+               max_position_embeddings=cfg.max_position_embeddings, hidden_act="silu",
+               tie_word_embeddings=cfg.tie_word_embeddings, torch_dtype="float32",
+               bos_token_id=cfg.bos_token_id,
+               eos_token_id=list(cfg.eos_token_ids) if len(cfg.eos_token_ids) > 1 else
+               (cfg.eos_token_ids[0] if cfg.eos_token_ids else None))
+    if cfg.rope_scaling:
+        out["rope_scaling"] = dict(cfg.rope_scaling)
+    if cfg.architecture == "LlamaForCausalLM":
+        out.update(attention_bias=False, mlp_bias=False)
+    if cfg.architecture != "LlamaForCausalLM":
+        out.update(sliding_window=cfg.sliding_window, use_sliding_window=cfg.sliding_window
+                   is not None)
+    return out
+
+
+def export_hf_model(model_dir: str, cfg: ModelConfig, params) -> None:
+    """Write `config.json` + `model.safetensors` (float32, Hugging Face names) to `model_dir`.
+
+    `params` are stacked (`llama.stack_layers`); the inverse of `load_hf_model`, so
+    `load_hf_model(model_dir)` gives `cfg` and `params` back.
+    """
+    from safetensors.numpy import save_file
+
+    os.makedirs(model_dir, exist_ok=True)
+    tensors = {}
+    for key, hf_name in _TOP_NAMES.items():
+        if key in params:
+            arr = np.asarray(params[key], np.float32)
+            tensors[hf_name] = np.ascontiguousarray(arr.T if key == "lm_head" else arr)
+    for key, stacked in params["layers"].items():
+        stacked = np.asarray(stacked, np.float32)
+        for i in range(cfg.num_layers):
+            arr = stacked[i].T if key.startswith("w") else stacked[i]
+            tensors[f"model.layers.{i}.{_LAYER_NAMES[key]}"] = np.ascontiguousarray(arr)
+    save_file(tensors, os.path.join(model_dir, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(model_dir, "config.json"), "w") as f:
+        json.dump(hf_config_dict(cfg), f, indent=1)

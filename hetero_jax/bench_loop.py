@@ -1,0 +1,225 @@
+"""Closed-loop clients for `hetero-jax bench`: the workloads, the loop, one row of numbers.
+
+In: a front with AsyncEngine's coroutines (`generate(prompt, params) -> RequestOutput`,
+`embed(x, params) -> [d]`), a list of requests (or Iter-RetGen query plans) and a number of
+clients. Out: one `Record` per request (or question) with its submit, first-token and finish
+times, and `summarize` turns records plus engine counters into one table row.
+
+The loop is the simulator's closed loop (`hetero_jax.sim`): the requests of a run are a fixed,
+seeded, shuffled list with exact per-type counts; each of `clients` coroutines takes the next
+request from that shared list as soon as its previous one has finished, until none is left.
+Throughput is requests over the wall time from the first submit to the last finish.
+
+`DedicatedFront` gives `DedicatedEngine`, whose only serving call is a batch `run()`, the same
+coroutines: per worker (embedding, generation) one `run()` at a time in its own thread;
+requests that arrive while a worker's batch runs wait and the next batch takes all of them.
+Both workers run at once. Inside a batch each worker is an ordinary continuously batching
+`Engine`; what it cannot do is admit a request into a batch that is already running.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import random
+import time
+import types
+
+import numpy as np
+
+EMBED, GEN, QUESTION = "embed", "generate", "question"
+
+
+@dataclasses.dataclass(frozen=True)
+class MixedWorkload:
+    """Fixed lengths of the mixed workload; request lists are deterministic in the seed."""
+
+    embed_len: int = 128
+    prompt_len: int = 128
+    output_len: int = 512
+    seed: int = 0
+
+    def requests(self, ratio: tuple, num: int, vocab: int) -> list:
+        """`num` requests at `ratio` (embed, gen): round(num * e / (e + g)) embeddings,
+        shuffled; token ids drawn below min(vocab, 256) (bytes of the byte tokenizer)."""
+        from hetero_jax.engine import EmbedRequest, GenerateRequest
+        from hetero_jax.params import PoolingParams, SamplingParams
+
+        rng = random.Random(f"{self.seed}/{ratio[0]}:{ratio[1]}/{num}")
+        n_embed = round(num * ratio[0] / sum(ratio))
+        kinds = [EMBED] * n_embed + [GEN] * (num - n_embed)
+        rng.shuffle(kinds)
+        hi = min(vocab, 256)
+        gen = SamplingParams(max_tokens=self.output_len, temperature=0.0, ignore_eos=True)
+        pool = PoolingParams("mean", normalize=True)
+        return [EmbedRequest([rng.randrange(hi) for _ in range(self.embed_len)], pool)
+                if k == EMBED else
+                GenerateRequest([rng.randrange(hi) for _ in range(self.prompt_len)], gen)
+                for k in kinds]
+
+
+@dataclasses.dataclass
+class Record:
+    kind: str  # EMBED | GEN | QUESTION
+    submit: float  # perf_counter when the client submitted it
+    done: float
+    first_token: float | None = None  # generation: when its first token was sampled
+    input_tokens: int = 0
+    output_tokens: int = 0
+    embeds: int = 0  # requests it made (one, or an Iter-RetGen question's several)
+    gens: int = 0
+
+
+async def _one(front, request) -> Record:
+    from hetero_jax.engine import EmbedRequest
+
+    t0 = time.perf_counter()
+    if isinstance(request, EmbedRequest):
+        await front.embed(request.input, request.params)
+        return Record(EMBED, t0, time.perf_counter(), input_tokens=len(request.input), embeds=1)
+    out = await front.generate(request.prompt, request.params)
+    return Record(GEN, t0, time.perf_counter(), out.metrics["first_token_time"],
+                  len(out.prompt_token_ids), len(out.token_ids), gens=1)
+
+
+async def _question(front, index, plan, iterations: int) -> Record:
+    from hetero_jax.rag import run_iter_retgen
+
+    t0 = time.perf_counter()
+    res = await run_iter_retgen(front, index, plan, iterations)
+    its = res.iterations
+    return Record(QUESTION, t0, time.perf_counter(), None, sum(it.prompt_tokens for it in its),
+                  sum(len(it.token_ids) for it in its), embeds=iterations, gens=iterations)
+
+
+async def closed_loop(front, items: list, clients: int, on_done=None, index=None,
+                      iterations: int = 2) -> list:
+    """Run `items` (requests, or query plans when `index` is given) with `clients` closed-loop
+    clients; returns their Records in item order. `on_done(record)` runs as each finishes."""
+    todo = iter(enumerate(items))
+    records = [None] * len(items)
+
+    async def client():
+        for i, item in todo:  # the shared iterator hands each item to one client
+            if index is None:
+                records[i] = await _one(front, item)
+            else:
+                records[i] = await _question(front, index, item, iterations)
+            if on_done:
+                on_done(records[i])
+
+    await asyncio.gather(*(client() for _ in range(min(clients, len(items)))))
+    return records
+
+
+class DedicatedFront:
+    """AsyncEngine's `generate`/`embed` over `DedicatedEngine.run`, one batch per worker at a
+    time (see the module docstring). `engine` carries what `hetero_jax.rag` reads."""
+
+    def __init__(self, dengine, tokenizer):
+        from hetero_jax.dedicated import EMBED_ROLE, GEN_ROLE
+
+        self.dengine = dengine
+        self.engine = types.SimpleNamespace(tokenizer=tokenizer, config=dengine.config)
+        self._role = {EMBED: EMBED_ROLE, GEN: GEN_ROLE}
+        self._queues = {EMBED: [], GEN: []}  # kind -> [(request, future)] not yet sent
+        self._drains: dict = {}  # kind -> the task sending that worker its batches
+        self._threads = {k: concurrent.futures.ThreadPoolExecutor(1, f"dedicated-{k}")
+                         for k in self._queues}
+        self.batch_sizes: dict = {EMBED: [], GEN: []}
+
+    async def generate(self, prompt, params=None):
+        from hetero_jax.engine import GenerateRequest
+        from hetero_jax.params import SamplingParams
+
+        return await self._submit(GEN, GenerateRequest(prompt, params or SamplingParams()))
+
+    async def embed(self, x, params=None) -> np.ndarray:
+        from hetero_jax.engine import EmbedRequest
+        from hetero_jax.params import PoolingParams
+
+        out = await self._submit(EMBED, EmbedRequest(x, params or PoolingParams()))
+        return out.embedding
+
+    async def _submit(self, kind: str, request):
+        future = asyncio.get_running_loop().create_future()
+        self._queues[kind].append((request, future))
+        if kind not in self._drains or self._drains[kind].done():
+            self._drains[kind] = asyncio.ensure_future(self._drain(kind))
+        return await future
+
+    async def _drain(self, kind: str) -> None:
+        loop = asyncio.get_running_loop()
+        while self._queues[kind]:
+            batch, self._queues[kind] = self._queues[kind], []
+            self.batch_sizes[kind].append(len(batch))
+            try:
+                outs = await loop.run_in_executor(self._threads[kind], self.dengine.run,
+                                                  [r for r, _ in batch], False)
+            except Exception as e:  # noqa: BLE001 - the batch's callers get the error
+                for _, future in batch:
+                    if not future.done():
+                        future.set_exception(e)
+                continue
+            for (_, future), out in zip(batch, outs):
+                if not future.done():
+                    future.set_result(out)
+
+    async def close(self) -> None:
+        for pool in self._threads.values():
+            pool.shutdown(wait=True)
+
+
+def counters(engine) -> dict:
+    """Cumulative step counters of an Engine, or of each worker of a DedicatedEngine."""
+    stats = engine.stats if isinstance(engine.stats, dict) else {"engine": engine.stats}
+    keys = ("steps", "scheduled_tokens", "compiles", "compile_s")
+    return {name: {k: getattr(s, k) for k in keys} for name, s in stats.items()}
+
+
+def counters_delta(before: dict, after: dict) -> dict:
+    """Totals over workers of what `after` adds to `before`; `compile_stall_s` is the longest
+    worker's compile time (an Engine's compile stalls every client of a closed loop)."""
+    deltas = [{k: v - before.get(name, {}).get(k, 0) for k, v in c.items()}
+              for name, c in after.items()]
+    out = {k: sum(d[k] for d in deltas) for k in deltas[0]}
+    out["compile_stall_s"] = max(d["compile_s"] for d in deltas)
+    return out
+
+
+def _pct(values: list, q: float) -> float | None:
+    return float(np.percentile(values, q)) if values else None
+
+
+def summarize(records: list, delta: dict, token_budget: int) -> dict:
+    """One row: per-type rates, latency percentiles, TTFT, budget fill, steps, compiles.
+
+    Rates are over the serving time: the wall time from the first submit to the last finish
+    less `delta["compile_stall_s"]` (compiling a new step shape stops the engine, and with it
+    every closed-loop client; compiles are counted and timed apart). Latencies are as measured.
+    """
+    start = min(r.submit for r in records)
+    raw_wall = max(r.done for r in records) - start
+    wall = raw_wall - delta.get("compile_stall_s", 0.0)
+    lat = [r.done - r.submit for r in records]
+    by_kind = {k: [r for r in records if r.kind == k] for k in (EMBED, GEN)}
+    n_embed = sum(r.embeds for r in records)
+    n_gen = sum(r.gens for r in records)
+    ttft = [r.first_token - r.submit for r in records if r.first_token is not None]
+    steps = delta["steps"]
+    row = dict(
+        requests=n_embed + n_gen, wall_s=raw_wall, serving_s=wall,
+        requests_per_s=(n_embed + n_gen) / wall,
+        embed_requests_per_s=n_embed / wall, gen_requests_per_s=n_gen / wall,
+        embed_tokens_per_s=sum(r.input_tokens for r in by_kind[EMBED]) / wall,
+        gen_tokens_per_s=sum(r.output_tokens for r in records) / wall,
+        p50_latency_s=_pct(lat, 50), p99_latency_s=_pct(lat, 99),
+        ttft_p50_s=_pct(ttft, 50), ttft_p99_s=_pct(ttft, 99),
+        budget_fill=delta["scheduled_tokens"] / max(steps * token_budget, 1),
+        steps=steps, compiles=delta["compiles"], compile_s=delta["compile_stall_s"])
+    for kind, rs in by_kind.items():
+        row[f"{kind}_p99_latency_s"] = _pct([r.done - r.submit for r in rs], 99)
+    questions = [r for r in records if r.kind == QUESTION]
+    if questions:
+        row.update(questions=len(questions), questions_per_s=len(questions) / wall)
+    return row

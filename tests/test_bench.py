@@ -1,0 +1,117 @@
+"""`hetero-jax bench`: a quick run of every scheduler, its JSON and plot, bad flags, HF export."""
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from hetero_jax import Engine, EngineConfig, SamplingParams
+from hetero_jax.cli import main
+from hetero_jax.hf_baseline import export_preset
+from hetero_jax.models import llama
+from hetero_jax.models.loading import load_hf_model
+
+REQUIRED = {"scheduler", "ratio", "requests_per_s", "embed_requests_per_s", "gen_requests_per_s",
+            "p99_latency_s"}
+SCHEDULERS = ["ibs", "fcfs", "homogeneous", "dedicated"]
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory):
+    """The CLI in a fresh process (its own jax config and compile cache): tiny preset, --quick."""
+    tmp = tmp_path_factory.mktemp("bench")
+    cmd = [sys.executable, "-m", "hetero_jax.cli", "bench", "--preset", "tiny", "--quick",
+           "--ratios", "9:1,1:9", "--json", str(tmp / "bench.json"), "--plot",
+           str(tmp / "bench.png"), "--compile-cache", str(tmp / "xla"), "--no-progress",
+           "--baseline", "hf"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, PYTHONWARNINGS="ignore"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return tmp, proc.stdout
+
+
+def test_quick_run_writes_every_row_and_a_plot(quick_run):
+    tmp, stdout = quick_run
+    results = json.loads((tmp / "bench.json").read_text())["results"]
+    assert sorted((r["scheduler"], r["ratio"]) for r in results) == sorted(
+        (s, q) for s in SCHEDULERS + ["hf"] for q in ("9:1", "1:9"))
+    hf = [r for r in results if r["scheduler"] == "hf"]
+    assert all(r["requests_per_s"] > 0 and r["vs_ibs"] > 0 for r in hf)
+    assert "ibs / transformers at 9:1" in stdout
+    results = [r for r in results if r["scheduler"] != "hf"]
+    for r in results:
+        assert REQUIRED <= set(r), REQUIRED - set(r)
+        assert r["requests"] == 8 and r["requests_per_s"] > 0 and r["p99_latency_s"] > 0
+        assert r["requests_per_s"] == pytest.approx(
+            r["embed_requests_per_s"] + r["gen_requests_per_s"])
+        assert 0 < r["budget_fill"] <= 1 and r["steps"] > 0
+    mix = {r["ratio"]: r for r in results if r["scheduler"] == "ibs"}
+    assert mix["9:1"]["embed_requests_per_s"] > mix["9:1"]["gen_requests_per_s"]
+    assert mix["1:9"]["embed_requests_per_s"] < mix["1:9"]["gen_requests_per_s"]
+    assert all(r["vs_ibs"] == pytest.approx(r["requests_per_s"] / mix[r["ratio"]]["requests_per_s"])
+               for r in results)
+    assert (tmp / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    for s in SCHEDULERS:
+        assert s in stdout
+    assert "req/s" in stdout and "x ibs" in stdout
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--clients", "0"], "argument --clients: 0 is outside [1, 1024]"),
+    (["--requests", "-3"], "argument --requests: -3 is outside [1, 100000]"),
+    (["--ratios", "9-1"], "bad ratio '9-1': expected EMBED:GEN"),
+    (["--ratios", "0:0"], "bad ratio '0:0'"),
+    (["--schedulers", "ibs,vllm"], "unknown scheduler 'vllm'"),
+    (["--iterations", "11"], "argument --iterations: 11 is outside [1, 10]"),
+    (["--scale", "2"], "argument --scale: 2.0 is outside (0, 1]"),
+    (["--baseline", "vllm"], "invalid choice: 'vllm'"),
+    (["--preset", "tiny", "--output-len", "4000"], "need 4128 positions; the model has "
+     "max_position_embeddings=2048"),
+    (["--chunk-size", "512"], "--chunk-size 512 exceeds --token-budget 256"),
+    (["--model", "/no/such/dir"], "'/no/such/dir' is not a directory"),
+])
+def test_bad_flags_fail_with_the_value_and_the_limit(flags, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["bench", *flags])
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_hf_export_round_trips(tmp_path):
+    """The exported directory loads back to the same weights and the same greedy tokens, in
+    hetero-jax and in transformers."""
+    export_preset("tiny", 3, str(tmp_path))
+    assert {"config.json", "model.safetensors"} <= set(os.listdir(tmp_path))
+    cfg = EngineConfig(token_budget=16, chunk_size=16, max_num_seqs=8, max_chunk_seqs=1,
+                       max_model_len=64)  # two step shapes: little to compile
+    preset = Engine.from_preset("tiny", seed=3, config=cfg)
+    loaded = Engine.from_pretrained(str(tmp_path), config=cfg)
+    assert loaded.model_cfg == preset.model_cfg
+    _, params = load_hf_model(str(tmp_path))
+    want_params = llama.init_params(preset.model_cfg, 3)
+    for got, want in zip(jax.tree.leaves(params), jax.tree.leaves(want_params)):
+        np.testing.assert_array_equal(got, want)
+    prompts = [[256, 72, 105], [256] + list(range(30, 60))]
+    greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    want = [o.token_ids for o in preset.generate(prompts, greedy, use_tqdm=False)]
+    assert [o.token_ids for o in loaded.generate(prompts, greedy, use_tqdm=False)] == want
+    pytest.importorskip("torch")
+    from hetero_jax.hf_baseline import generate_batch, load_model
+
+    model = load_model(str(tmp_path))
+    assert [generate_batch(model, [p], 12)[0] for p in prompts] == want
+
+
+def test_iter_retgen_workload_runs_the_pipeline(tmp_path, capsys):
+    out = tmp_path / "irg.json"
+    assert main(["bench", "--preset", "tiny", "--quick", "--workload", "iter-retgen",
+                 "--schedulers", "ibs", "--requests", "3", "--scale", "0.02",
+                 "--compile-cache", "none", "--no-progress", "--json", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["results"]
+    assert row["ratio"] == "iter-retgen" and row["questions"] == 3
+    assert row["embed_requests_per_s"] == pytest.approx(row["gen_requests_per_s"])  # 2 + 2 each
+    assert row["requests"] == 12 and row["gen_tokens_per_s"] > 0
+    assert "questions/s" in capsys.readouterr().out
