@@ -1,9 +1,11 @@
 """The synchronous engine: validate requests, then loop schedule -> runner step -> update.
 
 In: prompts (strings or token-id lists) with `SamplingParams`, inputs with `PoolingParams`.
-Out: `RequestOutput`s / `EmbeddingOutput`s (or an `[N, d]` array from `embed`) in input order. Everything a request could fail on is checked before any step runs, so a bad input
+Out: `RequestOutput`s / `EmbeddingOutput`s (or an `[N, d]` array from `embed`) in input
+order. Everything a request could fail on is checked before any step runs, so a bad input
 raises at once and the engine stays usable. One thread; the scheduler runs on the host between
-device steps. Generation and embedding requests share the same steps (`run`).
+device steps. Generation and embedding requests share the same steps (`run`); `add`/`step`
+expose the loop to `AsyncEngine`.
 """
 from __future__ import annotations
 
