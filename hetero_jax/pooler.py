@@ -5,8 +5,9 @@ State (`PoolerState`, donated to the step) holds running sums per embedding slot
 (CLS) and the latest one (last token); with a buffered head configured, also every hidden
 state of the request (O(n d) memory), for heads that do not stream. Each step adds the
 embedding slice's final hidden states with segment sums over their slots; the vector of every
-embedding item of the step is read back (`[Se, d]`), and the host keeps only those whose last chunk ran. Slot `E` (the last row) is the
-dummy target of every non-embedding row, so padding never touches a real slot.
+embedding item of the step is read back (`[Se, d]`), and the host keeps only those whose last
+chunk ran. Slot `E` (the last row) is the dummy target of every non-embedding row, so padding
+never touches a real slot.
 """
 from __future__ import annotations
 
