@@ -31,12 +31,12 @@ from hetero_jax.bench_loop import (MixedWorkload, closed_loop, counters, counter
 from hetero_jax.bench_report import NOTES, format_table, plot_results
 
 SCHEDULERS = ("ibs", "fcfs", "homogeneous", "dedicated")
-LIMITS = dict(clients=(1, 1024), requests=(1, 100_000), embed_len=(1, 8192),
-              prompt_len=(1, 8192), output_len=(1, 8192), iterations=(1, 10),
+LIMITS = dict(clients=(1, 1024), requests=(1, 100_000), min_gens=(0, 100_000),
+              embed_len=(1, 8192), prompt_len=(1, 8192), output_len=(1, 8192), iterations=(1, 10),
               token_budget=(16, 8192), chunk_size=(1, 8192), max_num_seqs=(1, 1024),
               max_chunk_seqs=(1, 64), warmup=(0, 10_000))
-QUICK = dict(clients=4, requests=8, embed_len=16, prompt_len=16, output_len=16, warmup=0,
-             token_budget=16, chunk_size=16, max_num_seqs=8, max_chunk_seqs=1)
+QUICK = dict(clients=4, requests=8, min_gens=2, embed_len=16, prompt_len=16, output_len=16,
+             warmup=0, token_budget=16, chunk_size=16, max_num_seqs=8, max_chunk_seqs=1)
 _DEFAULT_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "hetero-jax", "xla")
 
 
@@ -101,6 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="closed-loop clients (concurrent requests or questions)")
     p.add_argument("--requests", type=int_in("requests"), default=48,
                    help="requests per scheduler and ratio (iter-retgen: questions)")
+    p.add_argument("--min-gens", type=int_in("min_gens"), default=None,
+                   help="raise a ratio's request count until its run holds this many "
+                   "generations (default: --clients; 9:1 then runs 160 requests)")
     p.add_argument("--embed-len", type=int_in("embed_len"), default=128)
     p.add_argument("--prompt-len", type=int_in("prompt_len"), default=128)
     p.add_argument("--output-len", type=int_in("output_len"), default=256,
@@ -155,6 +158,7 @@ def check_args(parser, args) -> None:
                      f"{args.token_budget}")
     args.max_model_len = -(-need // 64) * 64
     args.warmup = args.clients if args.warmup is None else args.warmup
+    args.min_gens = args.clients if args.min_gens is None else args.min_gens
 
 
 def enable_compile_cache(path: str) -> None:
@@ -231,7 +235,12 @@ def workload_items(args, vocab: int) -> list:
     if args.workload == "iter-retgen":
         return [("iter-retgen", args.plans)]
     wl = MixedWorkload(args.embed_len, args.prompt_len, args.output_len, args.seed)
-    return [(f"{e}:{g}", wl.requests((e, g), args.requests, vocab)) for e, g in args.ratios]
+    return [(f"{e}:{g}", wl.requests((e, g), run_size(args, (e, g)), vocab))
+            for e, g in args.ratios]
+
+
+def run_size(args, ratio: tuple) -> int:
+    return MixedWorkload.run_size(ratio, args.requests, args.min_gens)
 
 
 async def _build_index(front, docs: list):
@@ -339,8 +348,10 @@ def _print_header(args, default_output_len: int, load: float) -> None:
             f"{args.output_len}" if args.workload == "mixed" else
             f"scale {args.scale}, {args.iterations} iterations")
     unit = "questions" if args.workload == "iter-retgen" else "requests"
+    sizes = ", ".join(f"{run_size(args, r)} at {r[0]}:{r[1]}" for r in args.ratios)
+    count = args.requests if args.workload == "iter-retgen" else sizes
     print(f"hetero-jax bench: {source}, workload {args.workload}, schedulers "
-          f"{','.join(args.schedulers)}; {args.clients} closed-loop clients, {args.requests} "
+          f"{','.join(args.schedulers)}; {args.clients} closed-loop clients, {count} "
           f"{unit} per run; {what}", flush=True)
     if args.workload == "mixed" and args.output_len == default_output_len and not args.quick:
         print(f"note: {args.output_len}-token outputs by default, not the issue's 512 "

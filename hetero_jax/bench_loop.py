@@ -39,6 +39,14 @@ class MixedWorkload:
     output_len: int = 512
     seed: int = 0
 
+    @staticmethod
+    def run_size(ratio: tuple, requests: int, min_gens: int) -> int:
+        """Requests in a run at `ratio`: `requests`, raised so that it holds at least
+        `min_gens` generations (a few long generations would otherwise set the whole run's
+        time by their decode chains, and a 9:1 run of 48 requests holds only 5)."""
+        e, g = ratio
+        return max(requests, -(-min_gens * (e + g) // g)) if g else requests
+
     def requests(self, ratio: tuple, num: int, vocab: int) -> list:
         """`num` requests at `ratio` (embed, gen): round(num * e / (e + g)) embeddings,
         shuffled; token ids drawn below min(vocab, 256) (bytes of the byte tokenizer)."""

@@ -16,6 +16,7 @@ baseline's best case. torch is imported here only; the engine never imports it.
 """
 from __future__ import annotations
 
+import itertools
 import os
 import tempfile
 import time
@@ -109,7 +110,7 @@ def run_hf(model, requests: list, clients: int, gen_batch: int = 32,
 
     todo = iter(requests)
     start = time.perf_counter()
-    pending = [(r, start) for r, _ in zip(todo, range(clients))]  # (request, submit time)
+    pending = [(r, start) for r in itertools.islice(todo, clients)]  # (request, submit time)
     records = []
     while pending:
         embeds = [p for p in pending if isinstance(p[0], EmbedRequest)]
@@ -163,10 +164,11 @@ def run_hf_rows(args) -> list:
         model_dir = args.model or export_preset(args.preset, args.seed, tmp)
         model = load_model(model_dir)
         rows = []
-        bar = tqdm(total=args.requests * len(args.ratios), unit="req", desc="transformers",
-                   disable=args.no_progress)
+        total = sum(wl.run_size(r, args.requests, args.min_gens) for r in args.ratios)
+        bar = tqdm(total=total, unit="req", desc="transformers", disable=args.no_progress)
         for e, g in args.ratios:
-            reqs = wl.requests((e, g), args.requests, args.vocab_size)
+            reqs = wl.requests((e, g), wl.run_size((e, g), args.requests, args.min_gens),
+                               args.vocab_size)
             warmup(model, reqs)
             row = run_hf(model, reqs, args.clients, args.max_num_seqs, args.max_num_seqs,
                          bar.update)

@@ -46,6 +46,9 @@ def main(argv=None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--ratios", type=parse_ratios, default="9:1,5:5,1:9")
     ap.add_argument("--requests", type=int_in("requests"), default=48)
+    ap.add_argument("--min-gens", type=int_in("min_gens"), default=16,
+                    help="as in hetero-jax bench (where it defaults to --clients): at least "
+                    "this many generations per run")
     ap.add_argument("--embed-len", type=int_in("embed_len"), default=128)
     ap.add_argument("--prompt-len", type=int_in("prompt_len"), default=128)
     ap.add_argument("--output-len", type=int_in("output_len"), default=256)
@@ -67,7 +70,7 @@ def main(argv=None) -> None:
         vocab = model.config.vocab_size
         rows = []
         for e, g in args.ratios:
-            reqs = wl.requests((e, g), args.requests, vocab)
+            reqs = wl.requests((e, g), wl.run_size((e, g), args.requests, args.min_gens), vocab)
             warmup(model, reqs)
             row = run_hf(model, reqs, args.clients or len(reqs), args.gen_batch,
                          args.embed_batch)

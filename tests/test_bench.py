@@ -40,11 +40,14 @@ def test_quick_run_writes_every_row_and_a_plot(quick_run):
         (s, q) for s in SCHEDULERS + ["hf"] for q in ("9:1", "1:9"))
     hf = [r for r in results if r["scheduler"] == "hf"]
     assert all(r["requests_per_s"] > 0 and r["vs_ibs"] > 0 for r in hf)
+    assert {r["ratio"]: r["requests"] for r in hf} == {"9:1": 20, "1:9": 8}
     assert "ibs / transformers at 9:1" in stdout
     results = [r for r in results if r["scheduler"] != "hf"]
     for r in results:
         assert REQUIRED <= set(r), REQUIRED - set(r)
-        assert r["requests"] == 8 and r["requests_per_s"] > 0 and r["p99_latency_s"] > 0
+        # --quick: 8 requests, raised at 9:1 to hold --min-gens 2 generations
+        assert r["requests"] == {"9:1": 20, "1:9": 8}[r["ratio"]]
+        assert r["requests_per_s"] > 0 and r["p99_latency_s"] > 0
         assert r["requests_per_s"] == pytest.approx(
             r["embed_requests_per_s"] + r["gen_requests_per_s"])
         assert 0 < r["budget_fill"] <= 1 and r["steps"] > 0
