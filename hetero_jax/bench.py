@@ -334,6 +334,8 @@ def bench_main(argv=None) -> int:
     config.update(wall_s=time.perf_counter() - start, setup_s=result["setup_s"],
                   load_start=load0, load_end=os.getloadavg()[0])
     _print_results(args, rows, config)
+    for path in filter(None, (args.json, args.plot)):
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(config=config, results=rows), f, indent=1, default=str)

@@ -15,7 +15,14 @@ Prints one table (latency p50/p99 per type, generation TTFT p99, makespan) and t
 ratios: embedding p99 of `fcfs` and `homogeneous` over `ibs`, and the change of generation
 p99 under `ibs` against `fcfs`. `--json PATH` writes the same numbers.
 
-    python scripts/bench_hol.py --cost calibration/small.json --json hol.json   # ~4 minutes
+The defaults give every request the shape of `hetero-jax bench` (128-token prompts, 256-token
+outputs, 128-token embeddings): generation holds its sequence slot for its whole decode, which
+is where an embedding behind it waits. With short outputs (`--max-tokens 32`) the slots free
+quickly and the gain shrinks to what the credits give: they share the chunk budget in
+proportion to the work left, so in a burst both queues drain together and the last embedding
+finishes near the end of all prefill work under every policy (the median halves; the p99 not).
+
+    python scripts/bench_hol.py --cost cal.json --json hol.json   # ~8 minutes on 2 cores
     python scripts/bench_hol.py --sim-only --n 64                               # seconds
 """
 from __future__ import annotations
@@ -206,7 +213,8 @@ def parse_args(argv=None):
     p.add_argument("--preset", default="small")
     p.add_argument("--n", type=int, default=32, help="requests of each type")
     p.add_argument("--gen-prompt", type=int, default=128)
-    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--max-tokens", type=int, default=256,
+                   help="new tokens per generation (default: the shape of hetero-jax bench)")
     p.add_argument("--embed-len", type=int, default=128)
     p.add_argument("--policies", default="ibs,fcfs,homogeneous",
                    help="comma-separated: ibs, fcfs, homogeneous, dedicated")
