@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import time
+import warnings
 
 import flax.struct
 import jax
@@ -160,6 +161,11 @@ class Runner:
 
     def __init__(self, model_cfg: ModelConfig, cfg: EngineConfig, params):
         backend = jax.default_backend()
+        if backend == "cpu" and jnp.dtype(cfg.dtype).itemsize == 2:
+            warnings.warn(f"dtype={cfg.dtype!r} on the CPU backend is slow: XLA:CPU runs 16-bit "
+                          "scatters, gathers and element-wise ops through float32 copies (the "
+                          "small preset's 16-token decode step: 4.9 s in bfloat16 vs 28 ms in "
+                          "float32); use float32 on a CPU", stacklevel=3)
         self.model_cfg, self.cfg = model_cfg, cfg
         self.params = llama.for_layer_loop(params, cfg.layer_loop)
         dtype = jnp.dtype(cfg.dtype)

@@ -98,3 +98,8 @@ def test_checkpoint_roundtrip(tmp_path):
     engine.save(str(tmp_path / "ckpt"))
     restored = Engine.load(str(tmp_path / "ckpt"), config=CFG)
     assert restored.generate(["roundtrip"], sp, use_tqdm=False)[0].token_ids == want
+
+
+def test_16_bit_dtype_on_cpu_warns_that_it_is_slow():
+    with pytest.warns(UserWarning, match="use float32 on a CPU"):
+        Engine.from_preset("tiny", config=EngineConfig(dtype="bfloat16", max_model_len=64))
