@@ -31,7 +31,7 @@ from hetero_jax.bench_loop import (MixedWorkload, closed_loop, counters, counter
 from hetero_jax.bench_report import NOTES, format_table, plot_results
 
 SCHEDULERS = ("ibs", "fcfs", "homogeneous", "dedicated")
-LIMITS = dict(clients=(1, 1024), requests=(1, 100_000), min_gens=(0, 100_000),
+LIMITS = dict(clients=(1, 1024), requests=(1, 100_000), min_gens=(0, 100_000), repeats=(1, 20),
               embed_len=(1, 8192), prompt_len=(1, 8192), output_len=(1, 8192), iterations=(1, 10),
               token_budget=(16, 8192), chunk_size=(1, 8192), max_num_seqs=(1, 1024),
               max_chunk_seqs=(1, 64), warmup=(0, 10_000))
@@ -104,6 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--min-gens", type=int_in("min_gens"), default=None,
                    help="raise a ratio's request count until its run holds this many "
                    "generations (default: --clients; 9:1 then runs 160 requests)")
+    p.add_argument("--repeats", type=int_in("repeats"), default=1,
+                   help="timed runs per scheduler and ratio, round robin over the schedulers "
+                   "in a rotating order; each row is the run with the median requests/s")
     p.add_argument("--embed-len", type=int_in("embed_len"), default=128)
     p.add_argument("--prompt-len", type=int_in("prompt_len"), default=128)
     p.add_argument("--output-len", type=int_in("output_len"), default=256,
@@ -273,30 +276,46 @@ def run_bench(args) -> dict:
             index = asyncio.run(_with_front(contenders[0], _build_index, args.docs))
         warm = lists[len(lists) // 2][1][:args.warmup]
         if warm:  # compile the common step shapes before measuring; not counted
-            _serve_all(contenders, [("warm-up", warm)], args, index, "warm-up")
+            serve_all(contenders, [("warm-up", warm)], args, index, "warm-up")
         setup_s = time.perf_counter() - t0
         print(f"engines built and warmed up in {setup_s:.0f} s", flush=True)
-        rows = _serve_all(contenders, lists, args, index, "bench")
+        rows = serve_all(contenders, lists, args, index, "bench", args.repeats)
     finally:
         for c in contenders:
             c.close()
     return dict(rows=rows, setup_s=setup_s)
 
 
-def _serve_all(contenders: list, lists: list, args, index, desc: str) -> list:
-    """List by list, every contender back to back, under one progress bar -> rows."""
+def serve_all(contenders: list, lists: list, args, index, desc: str,
+               repeats: int = 1) -> list:
+    """List by list, `repeats` rounds of every contender back to back (round r starts at
+    contender r, so no contender always runs first), under one progress bar -> rows, each the
+    contender's run with the median requests/s."""
     from tqdm.auto import tqdm
 
-    total = len(contenders) * sum(len(items) for _, items in lists)
+    total = repeats * len(contenders) * sum(len(items) for _, items in lists)
     bar = tqdm(total=total, unit="req", desc=desc, disable=args.no_progress)
     rows = []
     for label, items in lists:
-        for c in contenders:
-            bar.set_postfix_str(f"{c.name} {label}")
-            row = c.serve(items, args.clients, lambda _: bar.update(1), index, args.iterations)
-            rows.append(dict(row, ratio=label))
+        runs = {c.name: [] for c in contenders}
+        for r in range(repeats):
+            for c in contenders[r % len(contenders):] + contenders[:r % len(contenders)]:
+                bar.set_postfix_str(f"{c.name} {label}")
+                runs[c.name].append(c.serve(items, args.clients, lambda _: bar.update(1), index,
+                                            args.iterations))
+        rows += [dict(median_run(rs), ratio=label) for rs in runs.values()]
     bar.close()
     return rows
+
+
+def median_run(runs: list) -> dict:
+    """The run with the median requests/s (the lower middle one for an even count), with every
+    run's requests/s alongside."""
+    ordered = sorted(runs, key=lambda r: r["requests_per_s"])
+    row = dict(ordered[(len(ordered) - 1) // 2])
+    if len(runs) > 1:
+        row["requests_per_s_runs"] = [r["requests_per_s"] for r in runs]
+    return row
 
 
 async def _with_front(contender, fn, *a):
@@ -354,7 +373,7 @@ def _print_header(args, default_output_len: int, load: float) -> None:
     count = args.requests if args.workload == "iter-retgen" else sizes
     print(f"hetero-jax bench: {source}, workload {args.workload}, schedulers "
           f"{','.join(args.schedulers)}; {args.clients} closed-loop clients, {count} "
-          f"{unit} per run; {what}", flush=True)
+          f"{unit} per run, {args.repeats} run(s) each (median); {what}", flush=True)
     if args.workload == "mixed" and args.output_len == default_output_len and not args.quick:
         print(f"note: {args.output_len}-token outputs by default, not the issue's 512 "
               "(--output-len 512), so that the default run takes about 10 minutes on 2 idle CPU "

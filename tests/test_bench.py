@@ -1,4 +1,5 @@
 """`hetero-jax bench`: a quick run of every scheduler, its JSON and plot, bad flags, HF export."""
+import argparse
 import json
 import os
 import subprocess
@@ -9,6 +10,7 @@ import numpy as np
 import pytest
 
 from hetero_jax import Engine, EngineConfig, SamplingParams
+from hetero_jax.bench import median_run, serve_all
 from hetero_jax.cli import main
 from hetero_jax.hf_baseline import export_preset
 from hetero_jax.models import llama
@@ -65,6 +67,7 @@ def test_quick_run_writes_every_row_and_a_plot(quick_run):
 @pytest.mark.parametrize("flags, message", [
     (["--clients", "0"], "argument --clients: 0 is outside [1, 1024]"),
     (["--requests", "-3"], "argument --requests: -3 is outside [1, 100000]"),
+    (["--repeats", "0"], "argument --repeats: 0 is outside [1, 20]"),
     (["--ratios", "9-1"], "bad ratio '9-1': expected EMBED:GEN"),
     (["--ratios", "0:0"], "bad ratio '0:0'"),
     (["--schedulers", "ibs,vllm"], "unknown scheduler 'vllm'"),
@@ -118,3 +121,25 @@ def test_iter_retgen_workload_runs_the_pipeline(tmp_path, capsys):
     assert row["embed_requests_per_s"] == pytest.approx(row["gen_requests_per_s"])  # 2 + 2 each
     assert row["requests"] == 12 and row["gen_tokens_per_s"] > 0
     assert "questions/s" in capsys.readouterr().out
+
+
+def test_repeats_rotate_the_order_and_keep_the_median_run():
+    calls = []
+
+    class Fake:
+        def __init__(self, name):
+            self.name = name
+
+        def serve(self, items, clients, on_done, index, iterations):
+            calls.append(self.name)
+            return dict(requests_per_s=float(len(calls)), scheduler=self.name)
+
+    args = argparse.Namespace(no_progress=True, clients=1, iterations=1)
+    rows = serve_all([Fake("a"), Fake("b"), Fake("c")], [("5:5", [])], args, None, "t", 3)
+    assert calls == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
+    assert {r["scheduler"]: r["requests_per_s_runs"] for r in rows} == {
+        "a": [1.0, 6.0, 8.0], "b": [2.0, 4.0, 9.0], "c": [3.0, 5.0, 7.0]}
+    assert {r["scheduler"]: r["requests_per_s"] for r in rows} == {"a": 6.0, "b": 4.0, "c": 5.0}
+    assert all(r["ratio"] == "5:5" for r in rows)
+    assert median_run([dict(requests_per_s=2.0), dict(requests_per_s=1.0)]) == dict(
+        requests_per_s=1.0, requests_per_s_runs=[2.0, 1.0])
