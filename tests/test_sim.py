@@ -11,7 +11,7 @@ import pytest
 from hetero_jax.sched import (DECODE, EMBED, GENERATE, PREFILL, Request, ScheduledItem,
                               SchedulerConfig, SchedulerOutput)
 from hetero_jax.sim import (HARDWARE, Hardware, LengthDist, LinearCostModel, ModelSpec,
-                            RooflineCostModel, SimConfig, StepShape, WorkloadConfig,
+                            RooflineCostModel, SimConfig, Simulation, StepShape, WorkloadConfig,
                             load_cost_model, percentile, request_specs, simulate)
 from hetero_jax.sim.cli import sim_main
 
@@ -145,6 +145,26 @@ def test_closed_loop_and_replicas():
     assert r2.makespan_s < 0.7 * r1.makespan_s, "two replicas share a burst"
 
 
+def test_dedicated_split_routes_each_type_to_its_own_replicas():
+    sched, workload = small_sim("fcfs", arrival="closed", clients=8)
+    sim = Simulation(SimConfig(sched, workload, replicas=3, embed_replicas=1),
+                     load_cost_model("roofline:h200"))
+    seen = [set() for _ in sim.replicas]
+    for replica, kinds in zip(sim.replicas, seen):
+        schedule = replica.sched.schedule
+        replica.sched.schedule = lambda schedule=schedule, kinds=kinds: _record(schedule(), kinds)
+    r = sim.run()
+    assert r.per_type[GENERATE]["completed"] + r.per_type[EMBED]["completed"] == 60
+    assert seen == [{EMBED}, {PREFILL, DECODE}, {PREFILL, DECODE}]
+    with pytest.raises(AssertionError, match="at least one"):
+        Simulation(SimConfig(sched, workload, replicas=2, embed_replicas=2), None)
+
+
+def _record(out, kinds: set):
+    kinds.update(it.kind for it in out.items)
+    return out
+
+
 def test_head_of_line_burst_ibs_serves_embeddings_before_fcfs():
     """Generation first, then embeddings, all at time 0: FCFS makes embeddings wait."""
     cost = load_cost_model("roofline:h200")
@@ -165,8 +185,12 @@ def test_sim_cli_prints_and_writes_json(tmp_path, capsys):
     data = json.loads(path.read_text())
     assert set(data["results"]) == set(results) and data["config"]["requests"] == 40
     assert {"avg_budget_fill", "embed_token_share", "per_type"} <= set(data["results"]["ibs"])
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit, match="dedicated needs --replicas >= 2"):
         sim_main(["--policy", "dedicated"])
+    two = sim_main(["--policy", "all", "--replicas", "2", "--requests", "40", "--gen-output",
+                    "16", "--arrival", "burst"])
+    assert set(two) == {"ibs", "fcfs", "homogeneous", "dedicated"}
+    assert two["dedicated"].per_type[EMBED]["completed"] == 8
     with pytest.raises(SystemExit):
         sim_main(["--gen-prompt", "x"])
 

@@ -1,6 +1,8 @@
 """`hetero-jax sim`: run scheduling policies against a cost model and print what they give.
 
-In: argv (workload, policies, budget, chunk size, replicas, cost model). Out: one table row
+In: argv (workload, policies, budget, chunk size, replicas, cost model). `dedicated` (with
+`--replicas` >= 2) is the static split: `--embed-replicas` replicas (default half) serve only
+embeddings and the rest only generation, each in arrival order. Out: one table row
 per policy on stdout (throughput per type, p50/p99 latency and TTFT, average budget fill,
 embedding share of scheduled tokens) and, with `--json PATH`, the same numbers as JSON:
 `{"config": {...}, "results": {policy: SimResult}}`. Imports no jax.
@@ -20,7 +22,8 @@ from hetero_jax.sim.workload import ARRIVALS, ORDERS, LengthDist, WorkloadConfig
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hetero-jax sim", description=__doc__.splitlines()[0])
     p.add_argument("--policy", default="ibs",
-                   help=f"comma-separated policies, or 'all' ({', '.join(POLICIES)})")
+                   help=f"comma-separated policies, or 'all' ({', '.join(POLICIES)}, and "
+                   "dedicated when --replicas >= 2)")
     p.add_argument("--cost", default="roofline:h200",
                    help=f"roofline:<{'|'.join(HARDWARE)}> or a cost model JSON file")
     p.add_argument("--model", default="mistral-7b", help=f"roofline model: {', '.join(MODELS)}")
@@ -33,6 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--num-pages", type=int, default=16384)
     s.add_argument("--max-model-len", type=int, default=4096)
     s.add_argument("--replicas", type=int, default=1)
+    s.add_argument("--embed-replicas", type=int, default=None,
+                   help="dedicated: replicas that serve only embeddings (default: half)")
     w = p.add_argument_group("workload")
     w.add_argument("--requests", type=int, default=500)
     w.add_argument("--embed-frac", type=float, default=0.2)
@@ -50,10 +55,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _configs(args) -> tuple:
-    policies = list(POLICIES) if args.policy == "all" else args.policy.split(",")
+    known = list(POLICIES) + ["dedicated"]
+    policies = (known if args.replicas >= 2 else list(POLICIES)) if args.policy == "all" else \
+        args.policy.split(",")
     for name in policies:
-        if name not in POLICIES:
-            raise SystemExit(f"unknown policy {name!r}; expected one of {', '.join(POLICIES)}")
+        if name not in known:
+            raise SystemExit(f"unknown policy {name!r}; expected one of {', '.join(known)}")
+    split = args.replicas // 2 if args.embed_replicas is None else args.embed_replicas
+    if "dedicated" in policies and not 0 < split < args.replicas:
+        raise SystemExit(f"dedicated needs --replicas >= 2 and 0 < --embed-replicas < "
+                         f"--replicas (one device per type at least); got --replicas "
+                         f"{args.replicas}, --embed-replicas {split}")
     workload = WorkloadConfig(
         num_requests=args.requests, embed_frac=args.embed_frac,
         gen_prompt=LengthDist.parse(args.gen_prompt), gen_output=LengthDist.parse(args.gen_output),
@@ -63,8 +75,10 @@ def _configs(args) -> tuple:
         token_budget=args.budget, chunk_size=args.chunk, max_num_seqs=args.max_num_seqs,
         max_chunk_seqs=args.max_chunk_seqs, page_size=args.page_size, num_pages=args.num_pages,
         max_model_len=args.max_model_len)
-    return policies, [SimConfig(dataclasses.replace(sched, policy=name), workload, args.replicas)
-                      for name in policies]
+    return policies, [
+        SimConfig(dataclasses.replace(sched, policy="fcfs" if name == "dedicated" else name),
+                  workload, args.replicas, split if name == "dedicated" else 0)
+        for name in policies]
 
 
 def _ms(x) -> str:

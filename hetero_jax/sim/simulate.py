@@ -4,9 +4,11 @@ In: a `SimConfig` (scheduler config and policy, workload, replicas) and a cost m
 (arrivals, step completions) run in time order on one heap; once every event due at a time
 has run, each idle replica with work starts a step: `schedule()`, whose duration the cost
 model gives. An arrival goes to the replica with the least remaining tokens (uncomputed input
-plus outputs still to generate). At a step's end a fake runner samples token 7 for every
-sampling item (sims never stop early: generation runs to its `max_tokens`) and `update()`
-advances the requests. Out: a `SimResult` with throughput per type, p50/p99 latency and TTFT,
+plus outputs still to generate) among those that serve its type: every replica, or with
+`embed_replicas = k > 0` the dedicated split, k replicas for embeddings and the rest for
+generation (the paper's static split over disjoint devices). At a step's end a fake runner
+samples token 7 for every sampling item (sims never stop early: generation runs to its
+`max_tokens`) and `update()` advances the requests. Out: a `SimResult` with throughput per type, p50/p99 latency and TTFT,
 average budget fill and the embedding share of the scheduled tokens. Imports no jax.
 """
 from __future__ import annotations
@@ -26,11 +28,13 @@ class SimConfig:
     scheduler: SchedulerConfig = SchedulerConfig()
     workload: WorkloadConfig = WorkloadConfig()
     replicas: int = 1
+    embed_replicas: int = 0  # > 0: the dedicated split (that many embedding-only replicas)
 
 
 @dataclasses.dataclass
 class _Replica:
     sched: Scheduler
+    kinds: tuple = (EMBED, GENERATE)  # the request types routed here
     busy: bool = False
 
 
@@ -58,8 +62,13 @@ def percentile(xs: list, q: float) -> float | None:
 class Simulation:
     def __init__(self, cfg: SimConfig, cost_model):
         assert cfg.replicas >= 1, f"{cfg.replicas=} must be >= 1"
+        k = cfg.embed_replicas
+        assert k == 0 or 0 < k < cfg.replicas, (
+            f"{cfg.embed_replicas=} must leave at least one of {cfg.replicas=} for generation")
         self.cfg, self.cost = cfg, cost_model
-        self.replicas = [_Replica(Scheduler(cfg.scheduler)) for _ in range(cfg.replicas)]
+        kinds = [(EMBED, GENERATE)] * cfg.replicas if k == 0 else (
+            [(EMBED,)] * k + [(GENERATE,)] * (cfg.replicas - k))
+        self.replicas = [_Replica(Scheduler(cfg.scheduler), kind) for kind in kinds]
         self.specs = request_specs(cfg.workload)
         self.events: list = []
         self._seq = itertools.count()
@@ -80,7 +89,8 @@ class Simulation:
             while self.events and self.events[0][0] == now:  # everything due now, then steps
                 _, _, kind, data = heapq.heappop(self.events)
                 if kind == "arrive":
-                    replica = min(self.replicas, key=lambda r: _remaining(r.sched))
+                    replica = min((r for r in self.replicas if data.kind in r.kinds),
+                                  key=lambda r: _remaining(r.sched))
                     data.arrival_time = now
                     replica.sched.add(data)
                 else:
