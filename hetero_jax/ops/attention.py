@@ -7,7 +7,7 @@ Out: `[T, Hq, D]`; rows past `cu_q_lens[num_seqs]` are padding and come back as 
 
 The XLA version splits the sequences into two groups so that padding stays low:
 - the first `num_multi_query_seqs` sequences, each with up to `max_q_len` queries (chunks);
-- every sequence's last query (decode tokens have exactly one).
+- the last (only) query of each later sequence (decode tokens).
 A token of sequence `s >= num_multi_query_seqs` must therefore be that sequence's only token;
 the runner sorts chunks before decode tokens, so this holds by construction. Left at their
 defaults (`None`) the hints make the first group cover everything, which is always correct.
@@ -90,11 +90,12 @@ def _ragged_paged_attention_xla(q, k_pages, v_pages, kv_lens, page_indices, cu_q
         in_a = seq_of_tok < sa
         local = jnp.clip(tok - cu_q_lens[seq_of_tok], 0, max_q_len - 1)
         out = jnp.where(in_a[:, None, None], out_a[jnp.clip(seq_of_tok, 0, sa - 1), local], out)
-    if sa < s:
-        last = jnp.clip(cu_q_lens[1:] - 1, 0, t - 1)  # [S]
-        out_b = _attend_last(q[last], _gather_kv(k_pages, page_indices),
-                             _gather_kv(v_pages, page_indices), kv_lens, sm_scale)
-        out = jnp.where((seq_of_tok >= sa)[:, None, None], out_b[seq_of_tok], out)
+    if sa < s:  # the single-query sequences sa.. (decode tokens)
+        last = jnp.clip(cu_q_lens[sa + 1:] - 1, 0, t - 1)  # [S - sa]
+        out_b = _attend_last(q[last], _gather_kv(k_pages, page_indices[sa:]),
+                             _gather_kv(v_pages, page_indices[sa:]), kv_lens[sa:], sm_scale)
+        out = jnp.where((seq_of_tok >= sa)[:, None, None],
+                        out_b[jnp.clip(seq_of_tok - sa, 0, s - sa - 1)], out)
     return jnp.where(tok_valid[:, None, None], out, 0.0).astype(q.dtype)
 
 
