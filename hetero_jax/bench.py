@@ -246,18 +246,6 @@ def run_size(args, ratio: tuple) -> int:
     return MixedWorkload.run_size(ratio, args.requests, args.min_gens)
 
 
-async def _build_index(front, docs: list):
-    import numpy as np
-
-    from hetero_jax.params import PoolingParams
-    from hetero_jax.rag import VectorIndex
-
-    vecs = await asyncio.gather(*(front.embed(d, PoolingParams(truncate=True)) for d in docs))
-    index = VectorIndex(len(vecs[0]))
-    index.add(np.stack(vecs), docs)
-    return index
-
-
 def run_bench(args) -> dict:
     """Build every contender, warm them up, serve each workload list with each one."""
     from hetero_jax.config import EngineConfig
@@ -273,7 +261,11 @@ def run_bench(args) -> dict:
         lists = workload_items(args, args.vocab_size)
         index = None
         if args.workload == "iter-retgen":
-            index = asyncio.run(_with_front(contenders[0], _build_index, args.docs))
+            from hetero_jax.params import PoolingParams
+            from hetero_jax.rag import build_index
+
+            index = asyncio.run(_with_front(contenders[0], build_index, args.docs, None,
+                                            PoolingParams(truncate=True)))
         warm = lists[len(lists) // 2][1][:args.warmup]
         if warm:  # compile the common step shapes before measuring; not counted
             serve_all(contenders, [("warm-up", warm)], args, index, "warm-up")
@@ -283,7 +275,7 @@ def run_bench(args) -> dict:
     finally:
         for c in contenders:
             c.close()
-    return dict(rows=rows, setup_s=setup_s)
+    return dict(rows=rows, setup_s=setup_s, lists=lists)
 
 
 def serve_all(contenders: list, lists: list, args, index, desc: str,
@@ -347,7 +339,7 @@ def bench_main(argv=None) -> int:
     if args.baseline == "hf":
         from hetero_jax.hf_baseline import run_hf_rows
 
-        rows += run_hf_rows(args)
+        rows += run_hf_rows(args, result["lists"])
     add_ratios_to_ibs(rows)
     config = {k: v for k, v in vars(args).items() if k not in ("docs", "plans")}
     config.update(wall_s=time.perf_counter() - start, setup_s=result["setup_s"],

@@ -27,7 +27,10 @@ import types
 
 import numpy as np
 
-EMBED, GEN, QUESTION = "embed", "generate", "question"
+from hetero_jax.sched import EMBED, GENERATE as GEN
+from hetero_jax.sim import percentile
+
+QUESTION = "question"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,11 +128,8 @@ class DedicatedFront:
     time (see the module docstring). `engine` carries what `hetero_jax.rag` reads."""
 
     def __init__(self, dengine, tokenizer):
-        from hetero_jax.dedicated import EMBED_ROLE, GEN_ROLE
-
         self.dengine = dengine
         self.engine = types.SimpleNamespace(tokenizer=tokenizer, config=dengine.config)
-        self._role = {EMBED: EMBED_ROLE, GEN: GEN_ROLE}
         self._queues = {EMBED: [], GEN: []}  # kind -> [(request, future)] not yet sent
         self._drains: dict = {}  # kind -> the task sending that worker its batches
         self._threads = {k: concurrent.futures.ThreadPoolExecutor(1, f"dedicated-{k}")
@@ -195,10 +195,6 @@ def counters_delta(before: dict, after: dict) -> dict:
     return out
 
 
-def _pct(values: list, q: float) -> float | None:
-    return float(np.percentile(values, q)) if values else None
-
-
 def summarize(records: list, delta: dict, token_budget: int) -> dict:
     """One row: per-type rates, latency percentiles, TTFT, budget fill, steps, compiles.
 
@@ -221,12 +217,12 @@ def summarize(records: list, delta: dict, token_budget: int) -> dict:
         embed_requests_per_s=n_embed / wall, gen_requests_per_s=n_gen / wall,
         embed_tokens_per_s=sum(r.input_tokens for r in by_kind[EMBED]) / wall,
         gen_tokens_per_s=sum(r.output_tokens for r in records) / wall,
-        p50_latency_s=_pct(lat, 50), p99_latency_s=_pct(lat, 99),
-        ttft_p50_s=_pct(ttft, 50), ttft_p99_s=_pct(ttft, 99),
+        p50_latency_s=percentile(lat, 50), p99_latency_s=percentile(lat, 99),
+        ttft_p50_s=percentile(ttft, 50), ttft_p99_s=percentile(ttft, 99),
         budget_fill=delta["scheduled_tokens"] / max(steps * token_budget, 1),
         steps=steps, compiles=delta["compiles"], compile_s=delta["compile_stall_s"])
     for kind, rs in by_kind.items():
-        row[f"{kind}_p99_latency_s"] = _pct([r.done - r.submit for r in rs], 99)
+        row[f"{kind}_p99_latency_s"] = percentile([r.done - r.submit for r in rs], 99)
     questions = [r for r in records if r.kind == QUESTION]
     if questions:
         row.update(questions=len(questions), questions_per_s=len(questions) / wall)

@@ -28,6 +28,7 @@ import traceback
 import weakref
 
 from hetero_jax.config import EngineConfig
+from hetero_jax.params import default_seed
 
 EMBED_ROLE, GEN_ROLE = "embed", "generate"
 _ONE_THREAD = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
@@ -56,14 +57,13 @@ class ModelSource:
 
 def _worker(role: str, core: int, spec: ModelSource, config: EngineConfig, conn) -> None:
     """Worker process: pin to `core`, one XLA thread, build the engine, serve the pipe."""
-    os.sched_setaffinity(0, {core})
-    os.environ["XLA_FLAGS"] = _one_thread_flags(os.environ.get("XLA_FLAGS", ""))
+    os.sched_setaffinity(0, {core})  # XLA_FLAGS came from the parent (`_child_env`)
     try:
         engine = spec.build(role, config)
     except Exception as e:  # noqa: BLE001 - reported to the parent, which raises it
         conn.send(("error", (type(e).__name__, str(e), traceback.format_exc())))
         return
-    conn.send(("ok", None))
+    conn.send(("ok", engine.config))
     while True:
         cmd, arg = conn.recv()
         if cmd == "close":
@@ -140,8 +140,8 @@ class DedicatedEngine:
             self._conns[role], self._procs[role] = parent, proc
         self._finalizer = weakref.finalize(self, _stop, list(self._procs.values()),
                                            list(self._conns.values()))
-        for role in self._conns:
-            self._receive(role)
+        resolved = {role: self._receive(role) for role in self._conns}
+        self.config = resolved[GEN_ROLE]  # max_model_len etc. resolved against the model
         self.stats: dict = {}  # role -> the EngineStats of that worker after the last run
         self._next_id = 0
 
@@ -227,7 +227,7 @@ class DedicatedEngine:
         """The request with the seed `Engine` would give it (its default depends on the id)."""
         if r.params.seed is not None:
             return r
-        seed = (self.config.seed * 1_000_003 + self._next_id + index) % 2**32
+        seed = default_seed(self.config.seed, self._next_id + index)
         return dataclasses.replace(r, params=dataclasses.replace(r.params, seed=seed))
 
     @staticmethod

@@ -26,7 +26,7 @@ from hetero_jax.models.config import ModelConfig
 from hetero_jax.models.loading import load_hf_model
 from hetero_jax.models.presets import preset_config
 from hetero_jax.params import (POOLING_KINDS, EmbedKnobs, GenKnobs, PoolingParams,
-                               SamplingParams)
+                               SamplingParams, default_seed)
 from hetero_jax.runner import Runner
 from hetero_jax.sched import EMBED, Request, Scheduler, SchedulerConfig
 from hetero_jax.tokenizer import ByteTokenizer, load_tokenizer
@@ -293,7 +293,7 @@ class Engine:
             raise ValueError(f"prompt {index} has {len(ids)} tokens; max_model_len="
                              f"{self.config.max_model_len} leaves no room to generate")
         eos = () if sp.ignore_eos else self.model_cfg.eos_token_ids
-        seed = sp.seed if sp.seed is not None else (self.config.seed * 1_000_003 + rid) % 2**32
+        seed = sp.seed if sp.seed is not None else default_seed(self.config.seed, rid)
         return Request(request_id=rid, prompt_token_ids=ids, max_tokens=sp.max_tokens,
                        stop_token_ids=frozenset(sp.stop_token_ids) | frozenset(eos),
                        arrival_time=time.perf_counter(),

@@ -152,26 +152,27 @@ def _run_gens(model, reqs: list) -> list:
     return [len(t) for t in generate_batch(model, [r.prompt for r in reqs], n)]
 
 
-def run_hf_rows(args) -> list:
-    """The bench's `--baseline hf`: the same request lists as the engines, one row per ratio.
-    A preset is exported to a temporary Hugging Face directory first."""
+def hf_rows(model, lists: list, clients: int, gen_batch: int, embed_batch_size: int,
+            on_done=None) -> list:
+    """One `run_hf` row per `(label, requests)` of `lists`, each after an untimed warm-up."""
+    rows = []
+    for label, reqs in lists:
+        warmup(model, reqs)
+        row = run_hf(model, reqs, clients, gen_batch, embed_batch_size, on_done)
+        rows.append(dict(row, ratio=label))
+    return rows
+
+
+def run_hf_rows(args, lists: list) -> list:
+    """The bench's `--baseline hf`: the engines' request lists, one row per ratio. A preset
+    is exported to a temporary Hugging Face directory first."""
     from tqdm.auto import tqdm
 
-    from hetero_jax.bench_loop import MixedWorkload
-
-    wl = MixedWorkload(args.embed_len, args.prompt_len, args.output_len, args.seed)
     with tempfile.TemporaryDirectory(prefix="hetero-jax-hf-") as tmp:
-        model_dir = args.model or export_preset(args.preset, args.seed, tmp)
-        model = load_model(model_dir)
-        rows = []
-        total = sum(wl.run_size(r, args.requests, args.min_gens) for r in args.ratios)
-        bar = tqdm(total=total, unit="req", desc="transformers", disable=args.no_progress)
-        for e, g in args.ratios:
-            reqs = wl.requests((e, g), wl.run_size((e, g), args.requests, args.min_gens),
-                               args.vocab_size)
-            warmup(model, reqs)
-            row = run_hf(model, reqs, args.clients, args.max_num_seqs, args.max_num_seqs,
-                         bar.update)
-            rows.append(dict(row, ratio=f"{e}:{g}"))
+        model = load_model(args.model or export_preset(args.preset, args.seed, tmp))
+        bar = tqdm(total=sum(len(reqs) for _, reqs in lists), unit="req", desc="transformers",
+                   disable=args.no_progress)
+        rows = hf_rows(model, lists, args.clients, args.max_num_seqs, args.max_num_seqs,
+                       bar.update)
         bar.close()
     return rows

@@ -78,3 +78,9 @@ class EmbedKnobs:
     kind: int  # index into POOLING_KINDS
     normalize: bool
     adapter_id: int = 0  # 0 = base model
+
+
+def default_seed(engine_seed: int, request_id: int) -> int:
+    """The sampling seed of a request that names none: fixed by the engine's seed and the
+    request's id, so a rerun of the same requests samples the same tokens."""
+    return (engine_seed * 1_000_003 + request_id) % 2**32

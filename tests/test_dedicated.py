@@ -29,7 +29,9 @@ def dedicated():
 
 def test_same_tokens_and_embeddings_as_one_engine(dedicated):
     assert isinstance(dedicated, DedicatedEngine)
-    want = Engine.from_preset("tiny", config=EngineConfig(**CONFIG)).run(requests(), False)
+    one = Engine.from_preset("tiny", config=EngineConfig(**CONFIG))
+    assert dedicated.config == one.config, "the workers' config, resolved against the model"
+    want = one.run(requests(), False)
     got = dedicated.run(requests())
     assert [type(o) for o in got] == [type(o) for o in want]
     assert [o.request_id for o in got] == list(range(len(want)))
@@ -40,8 +42,6 @@ def test_same_tokens_and_embeddings_as_one_engine(dedicated):
         else:
             np.testing.assert_allclose(g.embedding, w.embedding, rtol=1e-5, atol=1e-6)
             assert g.metrics["latency_s"] > 0
-    starts = {o.metrics["arrival_time"] for o in got}
-    assert len(starts) == 1, "every request arrives when run() is called"
     assert set(dedicated.stats) == {"embed", "generate"}
     assert dedicated.stats["embed"].generated_tokens == 0
 

@@ -4,7 +4,7 @@ import asyncio
 import numpy as np
 import pytest
 
-from hetero_jax import AsyncEngine, Engine, EngineConfig, PoolingParams, SamplingParams
+from hetero_jax import AsyncEngine, Engine, EngineConfig, SamplingParams
 from hetero_jax.rag import (PAPER_STATS, IterRetGenResult, QueryPlan, VectorIndex, build_index,
                             fit_prompt, iter_retgen_many, run_iter_retgen, synthetic_iter_retgen)
 from hetero_jax.tokenizer import ByteTokenizer
@@ -55,6 +55,7 @@ def test_search_matches_float64_top_k(n, d, q, k):
     np.testing.assert_allclose(np.linalg.norm(index.vectors, axis=-1), 1.0, atol=1e-6)
     one_scores, one_rows = index.search(queries[0], k)  # a [d] query gives [k] results
     np.testing.assert_array_equal(one_rows, rows[0])
+    np.testing.assert_allclose(one_scores, scores[0], atol=1e-6)
 
 
 def test_search_errors():

@@ -9,8 +9,8 @@ import json
 import os
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
-_ARCH_OF_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                       "qwen2": "Qwen2ForCausalLM"}
+ARCH_OF_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                      "qwen2": "Qwen2ForCausalLM"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,7 +66,7 @@ def _eos_ids(raw) -> tuple:
 
 def model_config_from_hf(hf: dict, source: str = "config.json") -> ModelConfig:
     """Map a Hugging Face config dict to a ModelConfig; unsupported architectures fail here."""
-    archs = hf.get("architectures") or [_ARCH_OF_MODEL_TYPE.get(hf.get("model_type"), "")]
+    archs = hf.get("architectures") or [ARCH_OF_MODEL_TYPE.get(hf.get("model_type"), "")]
     arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
     if arch is None:
         raise ValueError(f"{source}: unsupported architectures {archs}; "

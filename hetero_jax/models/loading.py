@@ -15,7 +15,8 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from hetero_jax.models.config import ModelConfig, model_config_from_hf, read_hf_config
+from hetero_jax.models.config import (ARCH_OF_MODEL_TYPE, ModelConfig, model_config_from_hf,
+                                      read_hf_config)
 from hetero_jax.models.llama import param_shapes
 
 _DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, "F64": np.float64}
@@ -116,8 +117,7 @@ def load_hf_model(model_dir: str, dtype=jnp.float32) -> tuple[ModelConfig, dict]
     return cfg, load_params(model_dir, cfg, dtype)
 
 
-_MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
-                "Qwen2ForCausalLM": "qwen2"}
+_MODEL_TYPES = {arch: model_type for model_type, arch in ARCH_OF_MODEL_TYPE.items()}
 
 
 def hf_config_dict(cfg: ModelConfig) -> dict:
@@ -136,7 +136,7 @@ def hf_config_dict(cfg: ModelConfig) -> dict:
         out["rope_scaling"] = dict(cfg.rope_scaling)
     if cfg.architecture == "LlamaForCausalLM":
         out.update(attention_bias=False, mlp_bias=False)
-    if cfg.architecture != "LlamaForCausalLM":
+    else:
         out.update(sliding_window=cfg.sliding_window, use_sliding_window=cfg.sliding_window
                    is not None)
     return out

@@ -8,8 +8,9 @@ plus outputs still to generate) among those that serve its type: every replica, 
 `embed_replicas = k > 0` the dedicated split, k replicas for embeddings and the rest for
 generation (the paper's static split over disjoint devices). At a step's end a fake runner
 samples token 7 for every sampling item (sims never stop early: generation runs to its
-`max_tokens`) and `update()` advances the requests. Out: a `SimResult` with throughput per type, p50/p99 latency and TTFT,
-average budget fill and the embedding share of the scheduled tokens. Imports no jax.
+`max_tokens`) and `update()` advances the requests. Out: a `SimResult` with throughput per
+type, p50/p99 latency and TTFT, average budget fill and the embedding share of the scheduled
+tokens. Imports no jax.
 """
 from __future__ import annotations
 
