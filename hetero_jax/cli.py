@@ -17,21 +17,6 @@ import time
 
 import numpy as np
 
-_TOPICS = ["the history of the printing press", "how a compiler turns code into machine code",
-           "why the sky is blue", "a recipe for bread", "the rules of chess",
-           "what a transformer model computes", "the water cycle", "how vaccines work"]
-
-
-def demo_prompts(n: int, seed: int) -> list:
-    """n prompts of varied lengths built from a few topics, deterministic in seed."""
-    rng = np.random.default_rng(seed)
-    out = []
-    for i in range(n):
-        topic = _TOPICS[i % len(_TOPICS)]
-        out.append(f"Question {i}: explain {topic}. " * int(rng.integers(1, 6)) + "Answer:")
-    return out
-
-
 def _positive(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -56,6 +41,7 @@ def summarize(outs: list, wall_s: float, stats) -> dict:
 
 def cmd_generate(args) -> int:
     from hetero_jax import Engine, EngineConfig, SamplingParams
+    from hetero_jax.bench.workloads import demo_prompts
 
     cfg = EngineConfig(token_budget=args.token_budget, chunk_size=args.chunk_size,
                        max_num_seqs=args.max_num_seqs, dtype=args.dtype)
@@ -116,7 +102,7 @@ def main(argv=None) -> int:
         sim_main(argv[1:])
         return 0
     if argv[:1] == ["bench"]:
-        from hetero_jax.bench import bench_main
+        from hetero_jax.bench.cli import bench_main
         try:
             return bench_main(argv[1:])
         except (ValueError, FileNotFoundError) as e:

@@ -19,8 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from hetero_jax import Engine, EngineConfig
-from hetero_jax.sched import DECODE, PREFILL, Request, ScheduledItem, SchedulerOutput, Status
-from hetero_jax.params import GenKnobs
+from hetero_jax.sched import DECODE, PREFILL, GenKnobs, ScheduledItem
 
 
 def median_time(fn, repeats: int) -> float:
@@ -56,18 +55,16 @@ def step_cost(cfg, num_tokens: int, context: list) -> tuple[float, float]:
     return flops, 4 * (layer_params + head) + kv_row * (sum(context) + num_tokens)
 
 
-def fake_items(engine, lengths: list, kind: str) -> SchedulerOutput:
-    """Requests whose pages are allocated as if their context were already computed."""
+def fake_items(engine, lengths: list, kind: str) -> list:
+    """Decoder items whose pages are allocated as if their context were already computed."""
     items = []
     for i, (ctx, n) in enumerate(lengths):
-        req = Request(request_id=10_000 + i, prompt_token_ids=list(range(ctx + n)), max_tokens=1,
-                      payload=GenKnobs(0.0, 0, 1.0, 0, None))
-        req.output_token_ids = [1] if kind == DECODE else []
-        req.prompt_token_ids = req.prompt_token_ids[:ctx + n - len(req.output_token_ids)]
-        req.pages = engine.scheduler.pages.allocate(-(-(ctx + n) // engine.config.page_size))
-        req.status = Status.RUNNING
-        items.append(ScheduledItem(req, kind, ctx, n))
-    return SchedulerOutput(items, [])
+        pages = engine.scheduler.pages.allocate(-(-(ctx + n) // engine.config.page_size))
+        items.append(ScheduledItem(
+            request_id=10_000 + i, kind=kind, start=ctx, num_tokens=n, ends=True,
+            token_ids=tuple(range(ctx, ctx + n)), pages=tuple(pages),
+            knobs=GenKnobs(0.0, 0, 1.0, 0, None), num_output_tokens=int(kind == DECODE)))
+    return items
 
 
 def main(argv=None):
@@ -94,18 +91,19 @@ def main(argv=None):
     rows = []
     print(f"{'step':>12} {'tokens':>6} {'time ms':>8} {'floor ms':>8} {'bound':>7} {'of floor':>8}")
     for name, lengths, kind in cases:
-        out = fake_items(engine, lengths, kind)
-        t = median_time(lambda: engine.runner.execute(out), args.repeats)
-        flops, bytes_ = step_cost(engine.model_cfg, out.num_tokens,
-                                  [it.start + it.num_tokens for it in out.items])
+        items = fake_items(engine, lengths, kind)
+        num_tokens = sum(it.num_tokens for it in items)
+        t = median_time(lambda: engine.runner.execute(items), args.repeats)
+        flops, bytes_ = step_cost(engine.model_cfg, num_tokens,
+                                  [it.start + it.num_tokens for it in items])
         floor = max(flops / flops_peak, bytes_ / bw)
         bound = "compute" if flops / flops_peak > bytes_ / bw else "memory"
-        rows.append(dict(step=name, tokens=out.num_tokens, time_s=t, floor_s=floor, bound=bound,
+        rows.append(dict(step=name, tokens=num_tokens, time_s=t, floor_s=floor, bound=bound,
                          gflops=flops / 1e9, mbytes=bytes_ / 1e6))
-        print(f"{name:>12} {out.num_tokens:>6} {t * 1e3:>8.2f} {floor * 1e3:>8.2f} {bound:>7} "
+        print(f"{name:>12} {num_tokens:>6} {t * 1e3:>8.2f} {floor * 1e3:>8.2f} {bound:>7} "
               f"{floor / t:>7.0%}")
-        for it in out.items:
-            engine.scheduler.pages.free(it.request.pages)
+        for it in items:
+            engine.scheduler.pages.free(list(it.pages))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(preset=args.preset, flops_peak=flops_peak, bandwidth=bw, rows=rows), f,

@@ -17,10 +17,10 @@ import argparse
 import json
 import tempfile
 
-from hetero_jax.bench import int_in, parse_ratios
-from hetero_jax.bench_loop import MixedWorkload
-from hetero_jax.bench_report import format_table
-from hetero_jax.hf_baseline import export_preset, generate_batch, hf_rows, load_model
+from hetero_jax.bench.cli import int_in, parse_ratios
+from hetero_jax.bench.workloads import MixedWorkload
+from hetero_jax.bench.report import format_table
+from hetero_jax.bench.hf_baseline import export_preset, generate_batch, hf_rows, load_model
 
 
 def check_same_tokens(model, model_dir: str, max_tokens: int = 16) -> None:

@@ -113,7 +113,7 @@ def run_real(args) -> dict:
     round robin over the policies, so a slow spell of the machine hits every policy alike.
     """
     from hetero_jax import Engine
-    from hetero_jax.dedicated import DedicatedEngine
+    from hetero_jax.serving.dedicated import DedicatedEngine
 
     cfg, requests = engine_config(args), hol_requests(args)
     shared = Engine.from_preset(args.preset, args.seed, cfg)

@@ -26,7 +26,7 @@ def make_request(rid: int, rng: random.Random) -> Request:
 
 
 def fake_output(out) -> RunnerOutput:
-    sampled = {it.request.request_id: SampledToken(11, 0.0) for it in out.items if it.samples}
+    sampled = {it.request_id: SampledToken(11, 0.0) for it in out.items if it.samples}
     return RunnerOutput(sampled)
 
 

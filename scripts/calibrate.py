@@ -29,6 +29,7 @@ import numpy as np
 import scipy.optimize
 
 from hetero_jax import EmbedRequest, Engine, EngineConfig, GenerateRequest, SamplingParams
+from hetero_jax.sched import SchedulerOutput
 from hetero_jax.sim.costmodel import LinearCostModel, StepShape
 
 FIT_FEATURES = ("tokens", "decode_tokens", "context_tokens", "attn_pairs", "sampled")
@@ -44,11 +45,12 @@ def record_steps(engine: Engine, samples: list) -> None:
     """Wrap the engine's runner so each step that did not compile appends a Sample."""
     execute = engine.runner.execute
 
-    def timed(out):
+    def timed(items):
         compiles = engine.runner.compiles
-        runner_out = execute(out)
+        runner_out = execute(items)
         if engine.runner.compiles == compiles:
-            samples.append(Sample(StepShape.from_output(out), runner_out.step_time))
+            samples.append(Sample(StepShape.from_output(SchedulerOutput(items, [])),
+                                  runner_out.step_time))
         return runner_out
 
     engine.runner.execute = timed

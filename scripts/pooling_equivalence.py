@@ -15,7 +15,7 @@ import json
 import numpy as np
 
 from hetero_jax import Engine, EngineConfig, PoolingParams
-from hetero_jax.params import STREAMING_KINDS
+from hetero_jax.requests import STREAMING_KINDS
 
 
 def engine_for(preset: str, chunk: int, max_len: int, dtype: str) -> Engine:

@@ -5,16 +5,16 @@ from hetero_jax.sched import (EMBED, GENERATE, Request, RunnerOutput, SampledTok
                               SchedulerConfig, SchedulerOutput)
 
 
-def fake_token(req: Request) -> int:
+def fake_token(request_id: int, num_output_tokens: int) -> int:
     """The token a fake model samples: a deterministic function of the request and position."""
-    return 3 + (req.request_id * 7919 + len(req.output_token_ids) * 31) % 997
+    return 3 + (request_id * 7919 + num_output_tokens * 31) % 997
 
 
 def fake_runner(out: SchedulerOutput) -> RunnerOutput:
-    sampled = {it.request.request_id: SampledToken(fake_token(it.request), -1.0)
+    sampled = {it.request_id: SampledToken(fake_token(it.request_id, it.num_output_tokens), -1.0)
                for it in out.items if it.samples}
-    embeddings = {it.request.request_id: ("vec", it.request.request_id)
-                  for it in out.items if it.kind == EMBED and it.ends}
+    embeddings = {it.request_id: ("vec", it.request_id)
+                  for it in out.items + out.encoder_items if it.kind == EMBED and it.ends}
     return RunnerOutput(sampled, 0.0, embeddings)
 
 
@@ -29,11 +29,9 @@ def emb(rid: int, length: int) -> Request:
 
 def expected_tokens(req: Request) -> list:
     """What the fake runner produces for a generation request run to its max_tokens."""
-    probe = Request(req.request_id, list(req.prompt_token_ids), req.max_tokens)
     out = []
     for _ in range(req.max_tokens):
-        tok = fake_token(probe)
-        probe.output_token_ids.append(tok)
+        tok = fake_token(req.request_id, len(out))
         out.append(tok)
         if tok in req.stop_token_ids:
             break

@@ -59,7 +59,8 @@ def test_cancel_aborts_and_frees_pages(engine):
 
     async def main():
         aengine = AsyncEngine(engine)
-        task = asyncio.ensure_future(aengine.generate("long one", SamplingParams(max_tokens=200)))
+        long = SamplingParams(max_tokens=200, ignore_eos=True)  # still running at the cancel
+        task = asyncio.ensure_future(aengine.generate("long one", long))
         await asyncio.sleep(0.5)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):

@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 
 from hetero_jax import Engine, EngineConfig, SamplingParams
-from hetero_jax import bench
-from hetero_jax.bench import median_run, serve_all
+from hetero_jax.bench import cli as bench
+from hetero_jax.bench.cli import median_run, serve_all
 from hetero_jax.cli import main
-from hetero_jax.hf_baseline import export_preset
+from hetero_jax.bench.hf_baseline import export_preset
 from hetero_jax.models import llama
-from hetero_jax.models.loading import load_hf_model
+from hetero_jax.models.formats.hf_llama import load_hf_model
 
 REQUIRED = {"scheduler", "ratio", "requests_per_s", "embed_requests_per_s", "gen_requests_per_s",
             "p99_latency_s"}
@@ -104,7 +104,7 @@ def test_hf_export_round_trips(tmp_path):
     want = [o.token_ids for o in preset.generate(prompts, greedy, use_tqdm=False)]
     assert [o.token_ids for o in loaded.generate(prompts, greedy, use_tqdm=False)] == want
     pytest.importorskip("torch")
-    from hetero_jax.hf_baseline import generate_batch, load_model
+    from hetero_jax.bench.hf_baseline import generate_batch, load_model
 
     model = load_model(str(tmp_path))
     assert [generate_batch(model, [p], 12)[0] for p in prompts] == want

@@ -16,8 +16,11 @@ import torch
 import transformers
 from safetensors.numpy import load_file, save_file
 
-from hetero_jax.encoder_runner import EncoderRunner, read_sentence_transformers_pooling
-from hetero_jax.models import bert, llama
+from hetero_jax.models.formats.hf_bert import bert_config_from_hf, load_bert
+from hetero_jax.models.formats.sentence_transformers import read_sentence_transformers_pooling
+from hetero_jax.runner.encoder import EncoderRunner
+from hetero_jax import Engine, EngineConfig, PoolingParams
+from hetero_jax.models import bert, layers
 
 TINY = dict(vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
             intermediate_size=96, max_position_embeddings=64, initializer_range=0.2)
@@ -64,9 +67,9 @@ def padded_batch():
 @pytest.mark.parametrize("loop", ["scan", "unrolled"])
 def test_encode_matches_transformers_on_padded_batch(tiny, loop):
     path, model = tiny
-    cfg, params = bert.load_bert(path)
+    cfg, params = load_bert(path)
     if loop == "unrolled":
-        params = llama.split_layers(params)
+        params = layers.split_layers(params)
     ids, lengths = padded_batch()
     got = np.asarray(jax.jit(bert.encode, static_argnums=1)(params, cfg, ids, lengths))
     want = hf_hidden(model, ids, lengths)
@@ -77,7 +80,7 @@ def test_encode_matches_transformers_on_padded_batch(tiny, loop):
 def test_bf16_hidden_close_to_fp32(tiny):
     """bf16 weights: no worse than 1.5x the error of transformers' own bf16 run."""
     path, model = tiny
-    cfg, params = bert.load_bert(path, jnp.bfloat16)
+    cfg, params = load_bert(path, jnp.bfloat16)
     ids, lengths = padded_batch()
     want = hf_hidden(model, ids, lengths)
     torch_bf16 = hf_hidden(copy.deepcopy(model).to(torch.bfloat16), ids, lengths)
@@ -89,7 +92,7 @@ def test_bf16_hidden_close_to_fp32(tiny):
 
 def test_prefixed_masked_lm_checkpoint_loads(tmp_path):
     model = save_tiny(str(tmp_path), transformers.BertForMaskedLM, seed=1)
-    cfg, params = bert.load_bert(str(tmp_path))
+    cfg, params = load_bert(str(tmp_path))
     ids, lengths = padded([np.arange(5, 40)], 40)
     got = np.asarray(bert.encode(params, cfg, ids, lengths))
     want = hf_hidden(model.bert, ids, lengths)
@@ -107,7 +110,7 @@ def reference_pool(h, kind, normalize):
 def test_runner_pooling_order_and_compiles(tiny):
     """Every head on inputs spanning batches and length buckets; knobs never recompile."""
     path, model = tiny
-    runner = EncoderRunner(*bert.load_bert(path), batch_buckets=(2, 4), length_buckets=(8, 16))
+    runner = EncoderRunner(*load_bert(path), batch_buckets=(2, 4), length_buckets=(8, 16))
     assert runner.length_buckets == (8, 16, 64)
     rng = np.random.default_rng(1)
     inputs = [list(rng.integers(1, 300, n)) for n in (3, 40, 9, 1, 16, 64, 12)]
@@ -152,7 +155,7 @@ def test_minilm_matches_sentence_transformers(monkeypatch):
     assert len({len(i) for i in ids}) == len(ids) and max(map(len, ids)) > 64
     pooling, normalize = read_sentence_transformers_pooling(path)
     assert (pooling, normalize) == ("mean", True)
-    runner = EncoderRunner(*bert.load_bert(path), batch_buckets=(1, 2, 4))
+    runner = EncoderRunner(*load_bert(path), batch_buckets=(1, 2, 4))
     got = runner.embed(ids, pooling, normalize)
     cos = cosine(got, want)
     assert cos.min() > 0.9999, f"min cosine {cos.min():.6f}"
@@ -200,22 +203,28 @@ def test_pooling_config_reader_errors(tmp_path):
             read_sentence_transformers_pooling(str(tmp_path))
 
 
-def test_runner_rejects_bad_input(tiny):
-    runner = EncoderRunner(*bert.load_bert(tiny[0]), batch_buckets=(1,), length_buckets=(8,))
-    with pytest.raises(ValueError, match="65 tokens.*limit of 64"):
-        runner.embed([[1, 2], [5] * 65])
+def test_separate_encoder_inputs_are_checked_against_its_limits(tiny):
+    """The engine checks embedding inputs against the encoder's vocabulary and positions
+    (not the decoder's), before any work starts."""
+    engine = Engine.from_preset("tiny", config=EngineConfig(max_model_len=128, token_budget=16),
+                                embed_model=tiny[0])
+    with pytest.raises(ValueError, match="input 1 has 65 tokens > the embedding limit 64"):
+        engine.embed([[1, 2], [5] * 65])
     with pytest.raises(ValueError, match="input 1 is empty"):
-        runner.embed([[1], []])
-    with pytest.raises(ValueError, match="token id 300 outside"):
-        runner.embed([[1, 300]])
+        engine.embed([[1], []])
+    with pytest.raises(ValueError, match=r"input 0: token id 300 outside \[0, 300\)"):
+        engine.embed([[1, 300]])  # the decoder's vocabulary (512) would take it
     with pytest.raises(ValueError, match="unknown pooling.*max"):
-        runner.embed([[1, 2]], "max")
-    assert runner.compiles == 0, "bad input started work"
+        engine.embed([[1, 2]], PoolingParams("max"))
+    with pytest.raises(ValueError, match="pooling='buffered' needs"):
+        engine.embed([[1, 2]], PoolingParams("buffered"))
+    assert engine.encoder.runner.compiles == 0 and engine.stats.steps == 0, "work started"
+    assert not engine.has_work()
 
 
 def test_load_errors(tmp_path, tiny):
     with pytest.raises(FileNotFoundError, match="config.json"):
-        bert.load_bert(str(tmp_path))
+        load_bert(str(tmp_path))
     tensors = load_file(os.path.join(tiny[0], "model.safetensors"))
     with open(os.path.join(tiny[0], "config.json")) as f:
         hf = json.load(f)
@@ -224,12 +233,12 @@ def test_load_errors(tmp_path, tiny):
     name = "encoder.layer.1.attention.self.key.weight"
     save_file(dict(tensors, **{name: tensors[name][:, :32]}), str(tmp_path / "model.safetensors"))
     with pytest.raises(ValueError, match=f"model.safetensors: tensor {name} has shape"):
-        bert.load_bert(str(tmp_path))
+        load_bert(str(tmp_path))
     del tensors["encoder.layer.0.output.dense.bias"]
     save_file(tensors, str(tmp_path / "model.safetensors"))
     with pytest.raises(ValueError, match="tensor encoder.layer.0.output.dense.bias missing"):
-        bert.load_bert(str(tmp_path))
+        load_bert(str(tmp_path))
     with pytest.raises(ValueError, match="hidden_act 'relu'"):
-        bert.bert_config_from_hf(dict(hf, hidden_act="relu"))
+        bert_config_from_hf(dict(hf, hidden_act="relu"))
     with pytest.raises(ValueError, match="not a BERT encoder"):
-        bert.bert_config_from_hf(dict(hf, model_type="roberta", architectures=["RobertaModel"]))
+        bert_config_from_hf(dict(hf, model_type="roberta", architectures=["RobertaModel"]))

@@ -6,7 +6,7 @@ import pytest
 
 from hetero_jax import (EmbedRequest, Engine, EngineConfig, GenerateRequest, PoolingParams,
                         SamplingParams, make_engine)
-from hetero_jax.dedicated import DedicatedEngine
+from hetero_jax.serving.dedicated import DedicatedEngine
 
 CONFIG = dict(token_budget=64, chunk_size=32, max_num_seqs=8, max_model_len=256,
               token_buckets=(64,), chunk_seq_buckets=(4,), page_buckets=(16,))  # one variant

@@ -6,7 +6,7 @@ import shutil
 import pytest
 
 from hetero_jax import Engine, EngineConfig, SamplingParams
-from hetero_jax.models.loading import load_hf_model
+from hetero_jax.models.formats.hf_llama import load_hf_model
 
 CFG = EngineConfig(token_budget=64, max_model_len=128, token_buckets=(16, 64), page_buckets=(8,))
 

@@ -10,9 +10,10 @@ import pytest
 import torch
 from safetensors.numpy import load_file, save_file
 
-from hetero_jax.models import llama
-from hetero_jax.models.loading import load_hf_model
-from hetero_jax.models.lora import lora_delta, load_adapter, merge_lora_layers, stack_adapters
+from hetero_jax.models import layers, llama
+from hetero_jax.models.formats.hf_llama import load_hf_model
+from hetero_jax.models.formats.peft import load_adapter
+from hetero_jax.models.lora import lora_delta, merge_lora_layers, stack_adapters
 from hetero_jax.ops import ragged_paged_attention
 from tests.hf_models import hf_logits
 
@@ -125,7 +126,7 @@ def test_adapter_equals_merged_weights_and_id0_equals_base(base, tmp_path):
     assert rel_err(got_lora, want_lora) < 1e-4, f"adapter: {rel_err(got_lora, want_lora):.2e}"
     assert rel_err(got_base, want_base) < 1e-4, f"base: {rel_err(got_base, want_base):.2e}"
     # the unrolled layer loop carries the adapters too
-    (unrolled,) = batch_logits(cfg, llama.split_layers(lp), [ids], [1])
+    (unrolled,) = batch_logits(cfg, layers.split_layers(lp), [ids], [1])
     np.testing.assert_allclose(unrolled, got_lora, rtol=1e-5, atol=1e-5)
 
 

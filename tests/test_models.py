@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from hetero_jax.models import llama
-from hetero_jax.models.loading import load_hf_model
+from hetero_jax.models import layers, llama
+from hetero_jax.models.formats.hf_llama import load_hf_model
 from hetero_jax.ops import ragged_paged_attention
 from tests.hf_models import hf_logits
 
@@ -61,7 +61,7 @@ def test_bf16_logits_close_to_fp32(hf_model):
 def test_unrolled_layers_equal_scan(hf_model):
     cfg, params = load_hf_model(hf_model("llama3")[0])
     ids = np.arange(5, 45)
-    np.testing.assert_allclose(full_logits(cfg, llama.split_layers(params), ids),
+    np.testing.assert_allclose(full_logits(cfg, layers.split_layers(params), ids),
                                full_logits(cfg, params, ids), rtol=1e-5, atol=1e-5)
-    restacked = llama.stack_layers(llama.split_layers(params))
+    restacked = layers.stack_layers(layers.split_layers(params))
     np.testing.assert_array_equal(restacked["layers"]["wq"], params["layers"]["wq"])

@@ -5,9 +5,10 @@ import numpy as np
 import pytest
 
 from hetero_jax import AsyncEngine, Engine, EngineConfig, SamplingParams
-from hetero_jax.rag import (PAPER_STATS, IterRetGenResult, QueryPlan, VectorIndex, build_index,
-                            fit_prompt, iter_retgen_many, run_iter_retgen, synthetic_iter_retgen)
-from hetero_jax.tokenizer import ByteTokenizer
+from hetero_jax.bench.workloads import PAPER_STATS, synthetic_iter_retgen
+from hetero_jax.models.tokenizer import ByteTokenizer
+from hetero_jax.rag import (IterRetGenResult, QueryPlan, VectorIndex, build_index, fit_prompt,
+                            iter_retgen_many, run_iter_retgen)
 
 CFG = EngineConfig(token_budget=64, chunk_size=16, max_num_seqs=8, max_model_len=256,
                    token_buckets=(64,), page_buckets=(16,))  # few variants: fast compiles

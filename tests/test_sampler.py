@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from hetero_jax import Engine, EngineConfig, SamplingParams
-from hetero_jax.sampler import SamplingKnobs, sample
+from hetero_jax.runner.sampler import SamplingKnobs, sample
 
 
 def knobs(n, temperature=1.0, top_k=0, top_p=1.0, seed=0, step=0):

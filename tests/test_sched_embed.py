@@ -40,7 +40,7 @@ def test_one_step_holds_embed_chunks_then_prefill_chunks_then_decodes():
     for req in [gen(1, 20, 2), emb(2, 20), emb(3, 20)]:
         sched.add(req)
     out = sched.schedule()
-    assert [(it.request.request_id, it.kind) for it in out.items] == [
+    assert [(it.request_id, it.kind) for it in out.items] == [
         (2, EMBED), (3, EMBED), (1, PREFILL), (0, DECODE)]
     assert sum(it.kind != DECODE for it in out.items) == 3, "embed chunks count as chunks"
 
@@ -49,7 +49,7 @@ def test_embedding_waits_for_the_pages_of_its_whole_input():
     sched = Scheduler(config(policy="ibs", token_budget=64, chunk_size=16, page_size=4,
                              num_pages=9))
     trace = drive(sched, {0: [emb(0, 24), emb(1, 12), gen(2, 4, 1)]})
-    first = [(it.request.request_id, it.kind, it.num_tokens) for it in trace[0][1].items]
+    first = [(it.request_id, it.kind, it.num_tokens) for it in trace[0][1].items]
     assert first == [(0, EMBED, 16), (2, PREFILL, 4)], "E1 needs 3 pages, 2 are free"
     assert [r.request_id for _, _, fin in trace for r in fin] == [2, 0, 1]
 
@@ -66,7 +66,7 @@ def test_preemption_takes_the_newest_generation_and_loses_no_token(policy):
         newest_first = [r.request_id for r in reversed(sched.running) if r.kind == GENERATE]
         out = sched.schedule()
         assert out.preempted == newest_first[:len(out.preempted)], "not the newest generation"
-        assert not {it.request.request_id for it in out.items} & set(out.preempted)
+        assert not {it.request_id for it in out.items} & set(out.preempted)
         preemptions += len(out.preempted)
         sched.update(out, fake_runner(out))
     assert preemptions > 0, "the cache is meant to be too small"
@@ -86,7 +86,7 @@ def test_preempted_request_is_recomputed_with_its_output_tokens():
     (pre_step,) = [s for s, out, _ in trace if out.preempted]
     assert trace[pre_step][1].preempted == [1]
     redo = [it for _, out, _ in trace[pre_step + 1:] for it in out.items
-            if it.request is b and it.start == 0]
+            if it.request_id == b.request_id and it.start == 0]
     assert redo and redo[0].num_tokens > 4, "recompute covers the prompt and the output so far"
     assert b.num_preemptions == 1 and b.output_token_ids == expected_tokens(b)
 
@@ -98,7 +98,7 @@ def test_abort_waiting_running_and_between_schedule_and_update():
         sched.add(req)
     free0 = sched.pages.num_free
     out = sched.schedule()
-    scheduled = {it.request.request_id for it in out.items}
+    scheduled = {it.request_id for it in out.items}
     assert {0, 1} <= scheduled
     sched.abort(1)  # running, scheduled this step
     sched.abort(3)  # still waiting

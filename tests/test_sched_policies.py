@@ -9,7 +9,7 @@ from hetero_jax.sched import (DECODE, EMBED, GENERATE, PREFILL, Credits, Schedul
 
 def layout(out):
     """A step as [(request_id, kind, start, num_tokens)]."""
-    return [(it.request.request_id, it.kind, it.start, it.num_tokens) for it in out.items]
+    return [(it.request_id, it.kind, it.start, it.num_tokens) for it in out.items]
 
 
 @settings(max_examples=200, deadline=None)

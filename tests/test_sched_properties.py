@@ -46,11 +46,11 @@ def check_step(sched, out, first_order):
     assert sum(it.kind != DECODE for it in out.items) <= cfg.max_chunk_seqs
     assert len(out.items) <= cfg.max_num_seqs
     assert [KIND_ORDER[it.kind] for it in out.items] == sorted(KIND_ORDER[it.kind] for it in out.items)
-    assert len({it.request.request_id for it in out.items}) == len(out.items)
+    assert len({it.request_id for it in out.items}) == len(out.items)
     for it in out.items:
         assert 1 <= it.num_tokens <= (1 if it.kind == DECODE else cfg.chunk_size)
         assert it.kind != EMBED or not it.samples, "an embedding chunk samples"
-        first_order[it.request.kind].setdefault(it.request.request_id, None)
+        first_order[EMBED if it.kind == EMBED else GENERATE].setdefault(it.request_id, None)
 
 
 def check_state(sched):

@@ -27,10 +27,9 @@ def load_script(name):
 
 
 def test_step_shape_counts_tokens_context_and_pairs():
-    e, p, d = (Request(0, [1] * 40, kind=EMBED), Request(1, [1] * 20, 5),
-               Request(2, [1] * 8, 5, output_token_ids=[3, 4]))
-    out = SchedulerOutput([ScheduledItem(e, EMBED, 32, 8), ScheduledItem(p, PREFILL, 16, 4),
-                           ScheduledItem(d, DECODE, 9, 1)], [])
+    out = SchedulerOutput([ScheduledItem(0, EMBED, 32, 8, ends=True),
+                           ScheduledItem(1, PREFILL, 16, 4, ends=True),
+                           ScheduledItem(2, DECODE, 9, 1, ends=True)], [])
     s = StepShape.from_output(out)
     assert (s.embed_tokens, s.prefill_tokens, s.decode_tokens, s.tokens) == (8, 4, 1, 13)
     assert (s.seqs, s.context_tokens, s.sampled) == (3, 40 + 20 + 10, 2)

@@ -3,7 +3,8 @@
 In: `token_ids [B, N]` right-padded and `lengths [B]`. Out: `last_hidden_state [B, N, d]`, with
 bidirectional attention over each row's first `lengths[b]` tokens, token type 0 everywhere and
 exact (erf) GELU, as transformers computes it. Layers are stacked on a leading axis and run by
-one `jax.lax.scan` body, or unrolled after `llama.split_layers` (faster on a CPU).
+one `jax.lax.scan` body, or unrolled after `layers.split_layers` (faster on a CPU). Checkpoints
+are read by `formats.hf_bert`.
 
 Params pytree (weights stored as `[in, out]`):
   word_embed [V, d]; pos_embed [P, d]; type_embed [Tv, d]; embed_norm_w/embed_norm_b [d];
@@ -14,35 +15,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-
-from hetero_jax.models.config import read_hf_config
-from hetero_jax.models.loading import open_checkpoint, read_tensor
-
-SUPPORTED_ARCHITECTURES = ("BertModel", "BertForMaskedLM", "BertForPreTraining")
-
-# params name -> Hugging Face name (after an optional "bert." prefix). Linear weights transposed.
-_TOP_NAMES = {
-    "word_embed": "embeddings.word_embeddings.weight",
-    "pos_embed": "embeddings.position_embeddings.weight",
-    "type_embed": "embeddings.token_type_embeddings.weight",
-    "embed_norm_w": "embeddings.LayerNorm.weight", "embed_norm_b": "embeddings.LayerNorm.bias",
-}
-_LAYER_NAMES = {
-    "wq": "attention.self.query.weight", "bq": "attention.self.query.bias",
-    "wk": "attention.self.key.weight", "bk": "attention.self.key.bias",
-    "wv": "attention.self.value.weight", "bv": "attention.self.value.bias",
-    "wo": "attention.output.dense.weight", "bo": "attention.output.dense.bias",
-    "attn_norm_w": "attention.output.LayerNorm.weight",
-    "attn_norm_b": "attention.output.LayerNorm.bias",
-    "w_in": "intermediate.dense.weight", "b_in": "intermediate.dense.bias",
-    "w_out": "output.dense.weight", "b_out": "output.dense.bias",
-    "mlp_norm_w": "output.LayerNorm.weight", "mlp_norm_b": "output.LayerNorm.bias",
-}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,30 +41,6 @@ class BertConfig:
         return self.hidden_size // self.num_heads
 
 
-def bert_config_from_hf(hf: dict, source: str = "config.json") -> BertConfig:
-    """Map a Hugging Face BERT config dict to a BertConfig; what we cannot run fails here."""
-    archs = hf.get("architectures") or ["BertModel" if hf.get("model_type") == "bert" else ""]
-    if hf.get("model_type", "bert") != "bert" or not any(a in SUPPORTED_ARCHITECTURES
-                                                         for a in archs):
-        raise ValueError(f"{source}: model_type {hf.get('model_type')!r} with architectures "
-                         f"{archs} is not a BERT encoder; supported: "
-                         f"{', '.join(SUPPORTED_ARCHITECTURES)}")
-    act = hf.get("hidden_act", "gelu")
-    if act != "gelu":
-        raise ValueError(f"{source}: hidden_act {act!r} is not supported; supported: 'gelu'")
-    pos_type = hf.get("position_embedding_type", "absolute")
-    if pos_type != "absolute":
-        raise ValueError(f"{source}: position_embedding_type {pos_type!r} is not supported; "
-                         f"supported: 'absolute'")
-    return BertConfig(
-        vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
-        num_layers=hf["num_hidden_layers"], num_heads=hf["num_attention_heads"],
-        intermediate_size=hf["intermediate_size"],
-        max_position_embeddings=hf.get("max_position_embeddings", 512),
-        type_vocab_size=hf.get("type_vocab_size", 2),
-        layer_norm_eps=hf.get("layer_norm_eps", 1e-12), hidden_act=act)
-
-
 def param_shapes(cfg: BertConfig) -> dict:
     d, f, n = cfg.hidden_size, cfg.intermediate_size, cfg.num_layers
     layers = {k: (n, d, d) for k in ("wq", "wk", "wv", "wo")}
@@ -99,33 +50,6 @@ def param_shapes(cfg: BertConfig) -> dict:
     return dict(word_embed=(cfg.vocab_size, d), pos_embed=(cfg.max_position_embeddings, d),
                 type_embed=(cfg.type_vocab_size, d), embed_norm_w=(d,), embed_norm_b=(d,),
                 layers=layers)
-
-
-def _tensor(tensors: dict, model_dir: str, name: str, shape: tuple, transpose: bool):
-    """The tensor `name` as a numpy array of `shape` (a linear weight comes transposed)."""
-    if name not in tensors:
-        raise ValueError(f"{model_dir}: tensor {name} missing from the checkpoint")
-    return read_tensor(tensors, name, shape, transpose)
-
-
-def load_bert_params(model_dir: str, cfg: BertConfig, dtype) -> dict:
-    tensors = open_checkpoint(model_dir)
-    prefix = "bert." if "bert." + _TOP_NAMES["word_embed"] in tensors else ""
-    shapes = param_shapes(cfg)
-    params = {k: jnp.asarray(_tensor(tensors, model_dir, prefix + hf, shapes[k], False), dtype)
-              for k, hf in _TOP_NAMES.items()}
-    params["layers"] = {}
-    for key, shape in shapes["layers"].items():
-        per_layer = [_tensor(tensors, model_dir, f"{prefix}encoder.layer.{i}.{_LAYER_NAMES[key]}",
-                             shape[1:], key.startswith("w")) for i in range(cfg.num_layers)]
-        params["layers"][key] = jnp.asarray(np.stack(per_layer), dtype)
-    return params
-
-
-def load_bert(model_dir: str, dtype=jnp.float32) -> tuple[BertConfig, dict]:
-    """(BertConfig, stacked params) from a local Hugging Face BERT directory."""
-    cfg = bert_config_from_hf(read_hf_config(model_dir), os.path.join(model_dir, "config.json"))
-    return cfg, load_bert_params(model_dir, cfg, dtype)
 
 
 def layer_norm(x, weight, bias, eps):
@@ -154,7 +78,7 @@ def encode(params, cfg: BertConfig, token_ids, lengths):
 
     Keys past a row's length are masked out; rows of length 0 (batch padding) stay finite.
     `params["layers"]` is the stacked dict (one `lax.scan` body) or a tuple from
-    `llama.split_layers` (the same body unrolled).
+    `layers.split_layers` (the same body unrolled).
     """
     n = token_ids.shape[1]
     assert n <= cfg.max_position_embeddings, f"{n=} exceeds {cfg.max_position_embeddings=}"

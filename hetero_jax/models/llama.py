@@ -4,7 +4,7 @@ In: a flat token axis `tokens [T]` with `positions [T]` and KV `slots [T]` (page
 offset, where the token's K/V is written), the paged KV cache, and the attention metadata of
 the step. Out: final-norm hidden states `[T, d]` and the updated cache. Layers are stacked on a
 leading axis and run by one `jax.lax.scan` body, so compile time does not grow with depth
-(or, after `split_layers`, by the same body unrolled: faster on a CPU, see there).
+(or, after `layers.split_layers`, by the same body unrolled: faster on a CPU, see there).
 
 Params pytree (weights stored as `[in, out]`):
   embed [V, d]; final_norm [d]; lm_head [d, V] unless tied;
@@ -134,42 +134,14 @@ def _qkv(cfg, lp, x, adapter_ids=None):
             v.reshape(t, cfg.num_kv_heads, cfg.head_dim))
 
 
-def split_layers(params) -> dict:
-    """The same params with `layers` as a tuple of per-layer dicts (done once, outside jit).
-
-    `forward` then runs the layers as an unrolled Python loop. On a CPU this avoids the copy
-    of each layer's weights that `lax.scan` makes when it slices the stacked arrays (measured
-    about 4x faster decode on the `small` preset); compile time grows with depth instead.
-    """
-    stacked = params["layers"]
-    num_layers = next(iter(stacked.values())).shape[0]
-    layers = tuple({k: v[i] for k, v in stacked.items()} for i in range(num_layers))
-    return dict(params, layers=layers)
-
-
-def for_layer_loop(params, layer_loop: str) -> dict:
-    """Params laid out for `layer_loop`: "scan", "unrolled", or "auto" (unrolled on a CPU)."""
-    if layer_loop not in ("auto", "scan", "unrolled"):
-        raise ValueError(f"layer_loop={layer_loop!r}: expected auto, scan or unrolled")
-    if layer_loop == "auto":
-        layer_loop = "unrolled" if jax.default_backend() == "cpu" else "scan"
-    return split_layers(params) if layer_loop == "unrolled" else params
-
-
-def stack_layers(params) -> dict:
-    """Inverse of `split_layers` (a no-op on stacked params)."""
-    if not isinstance(params["layers"], tuple):
-        return params
-    return dict(params, layers=jax.tree.map(lambda *xs: jnp.stack(xs), *params["layers"]))
-
-
 def forward(params, cfg: ModelConfig, tokens, positions, slots, kv: KVCache, meta: AttnMeta,
             attn_fn, adapter_ids=None):
     """tokens/positions/slots [T] -> hidden [T, d] after the final norm, updated KVCache.
 
     `attn_fn(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs)` is a
     ragged paged attention with its static hints bound. `params["layers"]` is either the
-    stacked dict (one `lax.scan` body) or a tuple from `split_layers` (the same body unrolled).
+    stacked dict (one `lax.scan` body) or a tuple from `layers.split_layers` (the same body
+    unrolled).
     `adapter_ids [T]` int32 picks each token's LoRA adapter (0 = base; k = stacked index k-1);
     None runs every token on the base weights.
     """

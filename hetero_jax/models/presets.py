@@ -7,7 +7,7 @@
 from __future__ import annotations
 
 from hetero_jax.models.config import ModelConfig
-from hetero_jax.tokenizer import ByteTokenizer
+from hetero_jax.models.tokenizer import ByteTokenizer
 
 _VOCAB = 512  # ByteTokenizer ids fit; padded to a round size for the LM head.
 

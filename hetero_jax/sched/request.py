@@ -1,4 +1,9 @@
-"""Host-side request state (plain Python): what has been computed, which pages hold its KV."""
+"""Host-side request state (plain Python): what has been computed, which pages hold its KV.
+
+`GenKnobs` / `EmbedKnobs` are the engine's copy of a request's knobs, checked and resolved
+(seed, pooling kind, adapter id) by the serving layer; the scheduler carries them to the
+runner in each `ScheduledItem` and never reads them.
+"""
 from __future__ import annotations
 
 import dataclasses
@@ -14,6 +19,26 @@ class Status(enum.Enum):
     FINISHED = "finished"
 
 
+@dataclasses.dataclass(frozen=True)
+class GenKnobs:
+    """One generation request's sampling knobs; the runner packs them into per-row arrays."""
+
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int
+    logprobs: int | None
+
+
+@dataclasses.dataclass(frozen=True)
+class EmbedKnobs:
+    """One embedding request's pooling knobs."""
+
+    kind: int  # index into requests.POOLING_KINDS
+    normalize: bool
+    adapter_id: int = 0  # 0 = base model
+
+
 @dataclasses.dataclass
 class Request:
     """One generation or embedding request. `num_computed_tokens` catches up with `num_tokens`.
@@ -21,8 +46,9 @@ class Request:
     The tokens of the request are `prompt_token_ids + output_token_ids`; those below
     `num_computed_tokens` have their K/V in `pages`. A generation request is recomputed from
     token 0 after a preemption (prompt and output so far), so no token is lost. An embedding
-    request (`kind="embed"`) has no output tokens and ignores `max_tokens`; it runs as chunks,
-    holds its pages until its last chunk, and ends with `embedding` set by the runner.
+    request (`kind="embed"`) has no output tokens and ignores `max_tokens`; on the decoder it
+    runs as chunks, holding its pages and `pool_slot` until its last chunk; on a separate
+    encoder it runs whole in one step. It ends with `embedding` set from the runner's output.
     """
 
     request_id: int
@@ -30,18 +56,19 @@ class Request:
     max_tokens: int = 0
     stop_token_ids: frozenset = frozenset()
     kind: str = GENERATE
+    knobs: GenKnobs | EmbedKnobs | None = None  # None only where no runner reads them (sim)
     output_token_ids: list = dataclasses.field(default_factory=list)
     output_logprobs: list = dataclasses.field(default_factory=list)
     num_computed_tokens: int = 0
     pages: list = dataclasses.field(default_factory=list)
+    pool_slot: int | None = None
     status: Status = Status.WAITING
     finish_reason: str | None = None
     num_preemptions: int = 0
     arrival_time: float = 0.0
-    first_token_time: float | None = None
+    first_token_time: float | None = None  # first sampled token, or the embedding
     finish_time: float | None = None
     embedding: object = None  # the pooled vector of a finished embedding request
-    payload: object = None  # engine-side data (sampling knobs); the scheduler never reads it
 
     @property
     def num_tokens(self) -> int:

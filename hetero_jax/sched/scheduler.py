@@ -1,9 +1,10 @@
 """The host-side scheduler: which tokens of which requests run in the next step.
 
 Flow: the engine `add`s requests; each step it calls `schedule() -> SchedulerOutput` (plain
-data: the step's items sorted by kind, embedding chunks, then prefill chunks, then decode
-tokens), runs the model, and calls `update(scheduler_output, runner_output)`, which advances
-the requests and returns the ones that finished. Imports no jax.
+data: the step's decoder items sorted by kind, embedding chunks, then prefill chunks, then
+decode tokens, and a separate encoder's whole inputs), runs the model, and calls
+`update(scheduler_output, runner_output, now)`, which advances the requests, stamps their
+first-output and finish times and returns the ones that finished. Imports no jax.
 
 Every policy shares one step structure under a per-step token budget:
 1. running decodes first (one token each; homogeneous embedding steps skip them);
@@ -12,11 +13,18 @@ Every policy shares one step structure under a per-step token budget:
    queue in arrival order); the policy (policies.py) picks the type of each next chunk.
 At most `max_chunk_seqs` multi-token items (embedding and prefill chunks) run per step.
 
-Pages: an embedding request gets the pages of its whole input when it is admitted, so it never
-waits for pages once running; it frees them as soon as its last chunk has run. A generation
-request grows its pages chunk by chunk; when they run out, the newest running generation
-request is preempted (pages freed, recomputed later from token 0, put back in the waiting queue
-in arrival order), possibly the requester itself. Nothing is lost.
+The scheduler owns every allocation. Pages: an embedding request gets the pages of its whole
+input (and a pooler slot) when it is admitted, so it never waits for pages once running; it
+frees both as soon as its last chunk has run. A generation request grows its pages chunk by
+chunk; when they run out, the newest running generation request is preempted (pages freed,
+recomputed later from token 0, put back in the waiting queue in arrival order), possibly the
+requester itself. Nothing is lost.
+
+With a separate encoder (`encoder_max_seqs > 0`) an embedding request needs no pages or slot:
+it runs whole (a bidirectional encoder cannot be chunked) as one of at most `encoder_max_seqs`
+encoder items, its tokens counted against the same budget, so the policy shares each step
+between the two models. An input longer than the budget left may still run as the step's
+first multi-token item (and then the only one), so that no input waits forever.
 """
 from __future__ import annotations
 
@@ -24,14 +32,11 @@ import collections
 import dataclasses
 import itertools
 
+from hetero_jax.sched.allocators import PageAllocator, SlotAllocator
 from hetero_jax.sched.output import (DECODE, EMBED, KIND_ORDER, PREFILL, RunnerOutput,
                                      SampledToken, ScheduledItem, SchedulerOutput)
-from hetero_jax.sched.pages import PageAllocator
 from hetero_jax.sched.policies import Plan, make_policy
 from hetero_jax.sched.request import GENERATE, REQUEST_KINDS, Request, Status
-
-__all__ = ["DECODE", "EMBED", "PREFILL", "RunnerOutput", "SampledToken", "ScheduledItem",
-           "Scheduler", "SchedulerConfig", "SchedulerOutput"]
 
 SCHEDULED, SKIPPED, BLOCKED = "scheduled", "skipped", "blocked"  # outcomes of one selection
 
@@ -40,37 +45,60 @@ SCHEDULED, SKIPPED, BLOCKED = "scheduled", "skipped", "blocked"  # outcomes of o
 class SchedulerConfig:
     token_budget: int = 256
     chunk_size: int = 64
-    max_num_seqs: int = 32
+    max_num_seqs: int = 32  # also the number of pooler slots
     max_chunk_seqs: int = 4  # multi-token items per step (a static shape of the step)
     page_size: int = 16
     num_pages: int = 1024
     max_model_len: int = 2048
     policy: str = "fcfs"  # ibs | fcfs | homogeneous
+    encoder_max_seqs: int = 0  # > 0: embeddings run whole on a separate encoder, this many a step
+
+
+@dataclasses.dataclass
+class _Entry:
+    """One request's share of the step being built."""
+
+    request: Request
+    kind: str
+    start: int
+    num_tokens: int
+
+    @property
+    def multi(self) -> bool:
+        return self.kind != DECODE
 
 
 @dataclasses.dataclass
 class _Step:
-    """The step being built: items so far and what is left of the per-step limits."""
+    """The step being built: entries so far and what is left of the per-step limits."""
 
     budget: int
     chunks_left: int
-    items: dict = dataclasses.field(default_factory=dict)  # request_id -> ScheduledItem
+    encoder_left: int
+    entries: dict = dataclasses.field(default_factory=dict)  # request_id -> _Entry
     preempted: list = dataclasses.field(default_factory=list)
 
     @property
     def has_room(self) -> bool:
-        return self.budget > 0 and self.chunks_left > 0
+        return self.budget > 0 and (self.chunks_left > 0 or self.encoder_left > 0)
 
-    def add(self, item: ScheduledItem) -> None:
-        self.items[item.request.request_id] = item
-        self.budget -= item.num_tokens
-        self.chunks_left -= item.kind != DECODE
+    @property
+    def has_multi(self) -> bool:
+        return any(e.multi for e in self.entries.values())
+
+    def add(self, entry: _Entry, on_encoder: bool = False) -> None:
+        self.entries[entry.request.request_id] = entry
+        self.budget -= entry.num_tokens
+        if on_encoder:
+            self.encoder_left -= 1
+        else:
+            self.chunks_left -= entry.multi
 
     def drop(self, request_id) -> None:
-        item = self.items.pop(request_id, None)
-        if item is not None:
-            self.budget += item.num_tokens
-            self.chunks_left += item.kind != DECODE
+        entry = self.entries.pop(request_id, None)
+        if entry is not None:  # only decoder entries of generation requests are dropped
+            self.budget += entry.num_tokens
+            self.chunks_left += entry.multi
 
 
 class Scheduler:
@@ -78,6 +106,7 @@ class Scheduler:
         self.cfg = cfg
         self.policy = make_policy(cfg.policy)
         self.pages = PageAllocator(cfg.num_pages)
+        self.slots = SlotAllocator(cfg.max_num_seqs)
         self.waiting = {kind: collections.deque() for kind in REQUEST_KINDS}  # arrival order
         self.running: list = []  # admission order; the newest generation one is preempted first
         self.requests: dict = {}  # request_id -> Request, until it finishes
@@ -86,21 +115,27 @@ class Scheduler:
         self._admission: dict = {}  # request_id -> admission number
         self._counter = itertools.count()
 
+    @property
+    def on_encoder(self) -> bool:
+        """Whether embedding requests run on a separate encoder."""
+        return self.cfg.encoder_max_seqs > 0
+
     # -- interface ---------------------------------------------------------------------------
     def add(self, request: Request) -> None:
         cfg, rid = self.cfg, request.request_id
         assert request.kind in REQUEST_KINDS, f"request {rid}: unknown kind {request.kind!r}"
         assert rid not in self.requests, f"request id {rid} is already queued"
         assert request.num_tokens > 0, f"request {rid} has no tokens"
-        total = request.num_tokens
-        if not request.is_embed:
-            assert request.max_tokens >= 1, f"request {rid}: {request.max_tokens=} must be >= 1"
-            total = min(total + request.max_tokens, cfg.max_model_len)
-        assert request.num_tokens <= cfg.max_model_len, (
-            f"request {rid} has {request.num_tokens} tokens > {cfg.max_model_len=}")
-        need = -(-total // cfg.page_size)
-        assert need < cfg.num_pages, (
-            f"request {rid} needs {need} pages, the cache has {cfg.num_pages - 1}")
+        if not (request.is_embed and self.on_encoder):
+            total = request.num_tokens
+            if not request.is_embed:
+                assert request.max_tokens >= 1, f"request {rid}: {request.max_tokens=} < 1"
+                total = min(total + request.max_tokens, cfg.max_model_len)
+            assert request.num_tokens <= cfg.max_model_len, (
+                f"request {rid} has {request.num_tokens} tokens > {cfg.max_model_len=}")
+            need = -(-total // cfg.page_size)
+            assert need < cfg.num_pages, (
+                f"request {rid} needs {need} pages, the cache has {cfg.num_pages - 1}")
         request.status = Status.WAITING
         self.requests[rid] = request
         self._arrival[rid] = next(self._counter)
@@ -115,35 +150,40 @@ class Scheduler:
         return sum(len(q) for q in self.waiting.values())
 
     def abort(self, request_id) -> None:
+        """Drop a request wherever it is; its pages and pooler slot go back at once."""
         req = self.requests.get(request_id)
         if req is None:
             return
-        if req.status is Status.RUNNING:
-            self.running.remove(req)
-        else:
+        if req.status is Status.WAITING:
             self.waiting[req.kind].remove(req)
         self.pending[req.kind] -= req.num_pending
         self._finish(req, "abort")
 
     def schedule(self) -> SchedulerOutput:
-        step = _Step(self.cfg.token_budget, self.cfg.max_chunk_seqs)
+        cfg = self.cfg
+        step = _Step(cfg.token_budget, cfg.max_chunk_seqs, cfg.encoder_max_seqs)
         decoding = any(r.is_decoding for r in self.running)
         for plan in self.policy.plans(dict(self.pending), decoding):
             self._run_plan(plan, step)
-            if step.items:
+            if step.entries:
                 self.policy.chose(plan)
                 break
-        items = sorted(step.items.values(), key=lambda it: KIND_ORDER[it.kind])
-        out = SchedulerOutput(items, step.preempted)
+        entries = sorted(step.entries.values(), key=lambda e: KIND_ORDER[e.kind])
+        encoder = [self._snapshot(e) for e in entries if e.request.is_embed and self.on_encoder]
+        decoder = [self._snapshot(e) for e in entries if not (e.request.is_embed
+                                                              and self.on_encoder)]
+        out = SchedulerOutput(decoder, step.preempted, encoder)
         self._check(out)
         return out
 
-    def update(self, out: SchedulerOutput, runner_out: RunnerOutput) -> list:
-        """Advance the scheduled requests; returns the requests that finished this step."""
+    def update(self, out: SchedulerOutput, runner_out: RunnerOutput,
+               now: float | None = None) -> list:
+        """Advance the scheduled requests; stamp the time `now` of their first output and
+        finish; returns the requests that finished this step."""
         finished = []
-        for item in out.items:
-            req = item.request
-            if req.status is not Status.RUNNING:
+        for item in out.encoder_items + out.items:
+            req = self.requests.get(item.request_id)
+            if req is None or req.status is not Status.RUNNING:
                 continue  # aborted after it was scheduled
             assert item.start == req.num_computed_tokens, (
                 f"request {req.request_id}: {item.start=} != {req.num_computed_tokens=}")
@@ -153,13 +193,14 @@ class Scheduler:
             if item.kind == EMBED:
                 if item.ends:
                     req.embedding = runner_out.embeddings.get(req.request_id)
-                    reason = "embedded"
+                    req.first_token_time, reason = now, "embedded"
             elif item.samples:
+                req.first_token_time = req.first_token_time or now
                 reason = self._append(req, runner_out.sampled[req.request_id])
             self.pending[req.kind] += req.num_pending - before
             if reason:
-                self.running.remove(req)
                 self._finish(req, reason)
+                req.finish_time = now
                 finished.append(req)
         return finished
 
@@ -178,7 +219,7 @@ class Scheduler:
             req = live[kind][1]
             outcome = self._try_chunk(req, step)
             if outcome == SCHEDULED:
-                weights[kind] -= step.items[req.request_id].num_tokens
+                weights[kind] -= step.entries[req.request_id].num_tokens
             else:
                 self.policy.undo(kind)
             if outcome == BLOCKED:
@@ -193,8 +234,8 @@ class Scheduler:
             if step.budget <= 0:
                 return
             if (req.status is Status.RUNNING and req.is_decoding
-                    and req.request_id not in step.items and self._reserve(req, 1, step)):
-                step.add(ScheduledItem(req, DECODE, req.num_computed_tokens, 1))
+                    and req.request_id not in step.entries and self._reserve(req, 1, step)):
+                step.add(_Entry(req, DECODE, req.num_computed_tokens, 1))
 
     def _candidates(self, kind: str, step: _Step):
         """(order key, request) of the requests of `kind` that may get a chunk, in order.
@@ -203,7 +244,7 @@ class Scheduler:
         """
         for req in list(self.running):
             if (req.kind == kind and req.status is Status.RUNNING and not req.is_decoding
-                    and req.request_id not in step.items):
+                    and req.request_id not in step.entries):
                 yield (0, self._admission[req.request_id]), req
         queue = self.waiting[kind]
         while queue and not step.preempted:  # no admissions once this step has preempted
@@ -211,27 +252,63 @@ class Scheduler:
 
     def _try_chunk(self, req: Request, step: _Step) -> str:
         """Schedule the next chunk of `req`: SCHEDULED, SKIPPED (it was preempted) or BLOCKED."""
+        if req.is_embed and self.on_encoder:
+            return self._try_encoder(req, step)
+        if step.chunks_left <= 0:
+            return BLOCKED
         n = min(req.num_remaining, self.cfg.chunk_size, step.budget)
         if req.status is Status.WAITING:
             if step.preempted or len(self.running) >= self.cfg.max_num_seqs:
                 return BLOCKED
             if not self._grow_pages(req, req.num_tokens if req.is_embed else n):
                 return BLOCKED
-            assert self.waiting[req.kind].popleft() is req, f"request {req.request_id} not at head"
-            req.status = Status.RUNNING
-            self.running.append(req)
-            self._admission[req.request_id] = next(self._counter)
+            if req.is_embed:
+                req.pool_slot = self.slots.allocate()
+                assert req.pool_slot is not None, "no pooler slot with a sequence slot free"
+            self._admit(req)
         elif not self._reserve(req, n, step):
             return SKIPPED
-        step.add(ScheduledItem(req, EMBED if req.is_embed else PREFILL, req.num_computed_tokens, n))
+        step.add(_Entry(req, EMBED if req.is_embed else PREFILL, req.num_computed_tokens, n))
         return SCHEDULED
+
+    def _try_encoder(self, req: Request, step: _Step) -> str:
+        """A whole input on the separate encoder, if it fits the budget left (or nothing
+        multi-token is in the step yet) and an encoder row is free."""
+        n = req.num_tokens
+        if step.encoder_left <= 0 or (n > step.budget and step.has_multi):
+            return BLOCKED
+        self._admit(req, holds_a_sequence=False)
+        step.add(_Entry(req, EMBED, 0, n), on_encoder=True)
+        return SCHEDULED
+
+    def _admit(self, req: Request, holds_a_sequence: bool = True) -> None:
+        """Waiting head -> RUNNING; on the decoder it joins `running` (a sequence slot)."""
+        assert self.waiting[req.kind].popleft() is req, f"request {req.request_id} not at head"
+        req.status = Status.RUNNING
+        if holds_a_sequence:
+            self.running.append(req)
+        self._admission[req.request_id] = next(self._counter)
+
+    @staticmethod
+    def _snapshot(e: _Entry) -> ScheduledItem:
+        req = e.request
+        return ScheduledItem(
+            request_id=req.request_id, kind=e.kind, start=e.start, num_tokens=e.num_tokens,
+            ends=e.start + e.num_tokens == req.num_tokens,
+            token_ids=tuple(req.token_ids(e.start, e.num_tokens)), pages=tuple(req.pages),
+            knobs=req.knobs, num_output_tokens=len(req.output_token_ids),
+            pool_slot=req.pool_slot)
 
     def _check(self, out: SchedulerOutput) -> None:
         cfg, items = self.cfg, out.items
-        assert out.num_tokens <= cfg.token_budget, f"{out.num_tokens=} > {cfg.token_budget=}"
+        assert out.decoder_tokens <= cfg.token_budget, f"{out.decoder_tokens=} > {cfg.token_budget=}"
+        if out.num_tokens > cfg.token_budget:  # one oversize encoder input, alone
+            assert len(out.encoder_items) == 1 and all(it.kind == DECODE for it in items), (
+                f"{out.num_tokens=} > {cfg.token_budget=} beyond one lone encoder input")
         assert len(items) <= cfg.max_num_seqs, f"{len(items)=} > {cfg.max_num_seqs=}"
         chunks = sum(it.kind != DECODE for it in items)
         assert chunks <= cfg.max_chunk_seqs, f"{chunks=} > {cfg.max_chunk_seqs=}"
+        assert len(out.encoder_items) <= cfg.encoder_max_seqs, f"{len(out.encoder_items)=}"
         assert all(it.num_tokens >= 1 for it in items), "an item has no tokens"
 
     # -- pages and request state -------------------------------------------------------------
@@ -279,8 +356,14 @@ class Scheduler:
         return None
 
     def _finish(self, req: Request, reason: str) -> None:
+        """Free what the request holds and forget it."""
+        if req in self.running:
+            self.running.remove(req)
         self.pages.free(req.pages)
         req.pages = []
+        if req.pool_slot is not None:
+            self.slots.free(req.pool_slot)
+            req.pool_slot = None
         req.status, req.finish_reason = Status.FINISHED, reason
         self.requests.pop(req.request_id, None)
         self._arrival.pop(req.request_id, None)

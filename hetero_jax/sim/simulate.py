@@ -126,14 +126,8 @@ class Simulation:
         self._push(now + dt, "step", (replica, out))
 
     def _step_done(self, replica: _Replica, out, now: float) -> None:
-        sampled = {}
-        for it in out.items:
-            if it.samples:
-                sampled[it.request.request_id] = SampledToken(7, 0.0)
-                if it.request.first_token_time is None:
-                    it.request.first_token_time = now
-        for req in replica.sched.update(out, RunnerOutput(sampled)):
-            req.finish_time = now
+        sampled = {it.request_id: SampledToken(7, 0.0) for it in out.items if it.samples}
+        for req in replica.sched.update(out, RunnerOutput(sampled), now):
             self.done.append(req)
             if self.cfg.workload.arrival == "closed" and self._issued < len(self.specs):
                 self._issue(now)

@@ -1,8 +1,8 @@
 """Sampling on the device: greedy, temperature, top-k, top-p, a PRNG stream per request.
 
 In: fp32 logits `[S, V]` and per-row knob arrays (never static, so a new request never
-recompiles). Out: one packed fp32 array `[S, 2 + 2K]` = (token id, its log-prob, K top ids,
-K top log-probs), so a step crosses to the host once. Token ids are exact in fp32 (V < 2**24).
+recompiles). Out: per row the sampled token, its log-prob and the K top ids and log-probs,
+packed by `packed.PackedLayout.sample_rows` into the step's one device->host array.
 Log-probs are those of the model's distribution (before temperature and truncation).
 """
 from __future__ import annotations
@@ -10,6 +10,8 @@ from __future__ import annotations
 import flax.struct
 import jax
 import jax.numpy as jnp
+
+from hetero_jax.runner.packed import PackedLayout
 
 
 @flax.struct.dataclass
@@ -41,7 +43,7 @@ def _sample_filtered(logits, knobs: SamplingKnobs):
 
 
 def sample(logits, knobs: SamplingKnobs, num_logprobs: int):
-    """logits [S, V] f32 -> packed [S, 2 + 2 * num_logprobs] f32 (see module docstring)."""
+    """logits [S, V] f32 -> rows [S, 2 + 2 * num_logprobs] f32 (`PackedLayout.sample_rows`)."""
     greedy = jnp.argmax(logits, axis=-1)
     tokens = jax.lax.cond(jnp.any(knobs.temperature > 0),
                           lambda: jnp.where(knobs.temperature > 0,
@@ -50,5 +52,4 @@ def sample(logits, knobs: SamplingKnobs, num_logprobs: int):
     logprobs = jax.nn.log_softmax(logits, axis=-1)
     chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)
     top_lp, top_ids = jax.lax.top_k(logprobs, num_logprobs)
-    return jnp.concatenate([tokens[:, None].astype(jnp.float32), chosen,
-                            top_ids.astype(jnp.float32), top_lp], axis=-1)
+    return PackedLayout.sample_rows(tokens, chosen[:, 0], top_ids, top_lp)

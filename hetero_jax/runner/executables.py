@@ -1,11 +1,15 @@
-"""Ahead-of-time executables, one per bucket variant, with a compile count and time."""
+"""Ahead-of-time executables, one per bucket variant, with a compile count and time.
+
+Not JAX's persistent compilation cache (`jax_compilation_cache_dir`, the bench's
+`--compile-cache`): this is the in-process table from a variant key to its compiled step.
+"""
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
 
 
-class CompileCache:
+class ExecutableCache:
     """`cache(key)` returns the executable of a variant, building it on first use."""
 
     def __init__(self, build: Callable):

@@ -4,17 +4,20 @@ State (`PoolerState`, donated to the step) holds running sums per embedding slot
 `sum_jh` (position-weighted, j 1-based, as in SGPT), `count`, `sum_j`, the first hidden state
 (CLS) and the latest one (last token); with a buffered head configured, also every hidden
 state of the request (O(n d) memory), for heads that do not stream. Each step adds the
-embedding slice's final hidden states with segment sums over their slots; the vector of every
-embedding item of the step is read back (`[Se, d]`), and the host keeps only those whose last
-chunk ran. Slot `E` (the last row) is the dummy target of every non-embedding row, so padding
-never touches a real slot.
+embedding slice's final hidden states with segment sums over their slots. The step's packed
+device->host array carries one vector per embedding item of the step (`[Se, d]`, a few KB:
+its shape is static, so unfinished items ride along), and the host keeps only those whose
+last chunk ran. Slots are allocated by the scheduler; slot `E` (the last row) is the dummy
+target of every non-embedding row, so padding never touches a real slot.
+
+`select_and_normalize` is the one place that turns pooled candidates into the requested kind,
+optionally L2-normalised; the separate encoder and the vector index use it too.
 """
 from __future__ import annotations
 
 import flax.struct
 import jax
 import jax.numpy as jnp
-
 
 
 @flax.struct.dataclass
@@ -45,7 +48,7 @@ class PoolBatch:
     item_slot: jax.Array  # [Se] int32: the slot of each embedding item, dummy for padding
     item_last_row: jax.Array  # [Se] int32: the item's last row on the token axis
     item_first_chunk: jax.Array  # [Se] bool: the item starts its request (reset the slot)
-    kind: jax.Array  # [Se] int32: index into params.POOLING_KINDS
+    kind: jax.Array  # [Se] int32: index into requests.POOLING_KINDS
     normalize: jax.Array  # [Se] bool
     item_length: jax.Array  # [Se] int32: tokens of the request seen so far (for the head)
 
@@ -80,8 +83,16 @@ def update(state: PoolerState, hidden, positions, pb: PoolBatch, head=None):
     if head is not None:
         state = state.replace(buffer=state.buffer.at[pb.token_slot, positions].set(h))
         candidates.append(jax.vmap(head)(state.buffer[s], pb.item_length).astype(jnp.float32))
-    candidates = jnp.stack(candidates)  # [kinds, Se, d]
-    vec = jnp.take_along_axis(candidates, pb.kind[None, :, None], axis=0)[0]
-    norm = jnp.linalg.norm(vec, axis=-1, keepdims=True)
-    vec = jnp.where(pb.normalize[:, None], vec / jnp.maximum(norm, 1e-12), vec)
-    return state, vec
+    return state, select_and_normalize(jnp.stack(candidates), pb.kind, pb.normalize)
+
+
+def l2_normalize(x):
+    """x [..., d] -> rows scaled to unit L2 norm (zero rows stay zero)."""
+    return x / jnp.maximum(jnp.linalg.norm(x, axis=-1, keepdims=True), 1e-12)
+
+
+def select_and_normalize(candidates, kind, normalize):
+    """candidates [kinds, B, d] (in `requests.POOLING_KINDS` order), kind [B] int32,
+    normalize [B] bool -> [B, d]: each row's pooling kind, L2-normalised where asked."""
+    vec = jnp.take_along_axis(candidates, kind[None, :, None], axis=0)[0]
+    return jnp.where(normalize[:, None], l2_normalize(vec), vec)

@@ -21,52 +21,16 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
-import random
 import time
-import types
 
 import numpy as np
 
+from hetero_jax.rag.iter_retgen import run_iter_retgen
+from hetero_jax.requests import EmbedRequest, GenerateRequest, PoolingParams, SamplingParams
 from hetero_jax.sched import EMBED, GENERATE as GEN
 from hetero_jax.sim import percentile
 
 QUESTION = "question"
-
-
-@dataclasses.dataclass(frozen=True)
-class MixedWorkload:
-    """Fixed lengths of the mixed workload; request lists are deterministic in the seed."""
-
-    embed_len: int = 128
-    prompt_len: int = 128
-    output_len: int = 512
-    seed: int = 0
-
-    @staticmethod
-    def run_size(ratio: tuple, requests: int, min_gens: int) -> int:
-        """Requests in a run at `ratio`: `requests`, raised so that it holds at least
-        `min_gens` generations (a few long generations would otherwise set the whole run's
-        time by their decode chains, and a 9:1 run of 48 requests holds only 5)."""
-        e, g = ratio
-        return max(requests, -(-min_gens * (e + g) // g)) if g else requests
-
-    def requests(self, ratio: tuple, num: int, vocab: int) -> list:
-        """`num` requests at `ratio` (embed, gen): round(num * e / (e + g)) embeddings,
-        shuffled; token ids drawn below min(vocab, 256) (bytes of the byte tokenizer)."""
-        from hetero_jax.engine import EmbedRequest, GenerateRequest
-        from hetero_jax.params import PoolingParams, SamplingParams
-
-        rng = random.Random(f"{self.seed}/{ratio[0]}:{ratio[1]}/{num}")
-        n_embed = round(num * ratio[0] / sum(ratio))
-        kinds = [EMBED] * n_embed + [GEN] * (num - n_embed)
-        rng.shuffle(kinds)
-        hi = min(vocab, 256)
-        gen = SamplingParams(max_tokens=self.output_len, temperature=0.0, ignore_eos=True)
-        pool = PoolingParams("mean", normalize=True)
-        return [EmbedRequest([rng.randrange(hi) for _ in range(self.embed_len)], pool)
-                if k == EMBED else
-                GenerateRequest([rng.randrange(hi) for _ in range(self.prompt_len)], gen)
-                for k in kinds]
 
 
 @dataclasses.dataclass
@@ -82,8 +46,6 @@ class Record:
 
 
 async def _one(front, request) -> Record:
-    from hetero_jax.engine import EmbedRequest
-
     t0 = time.perf_counter()
     if isinstance(request, EmbedRequest):
         await front.embed(request.input, request.params)
@@ -94,8 +56,6 @@ async def _one(front, request) -> Record:
 
 
 async def _question(front, index, plan, iterations: int) -> Record:
-    from hetero_jax.rag import run_iter_retgen
-
     t0 = time.perf_counter()
     res = await run_iter_retgen(front, index, plan, iterations)
     its = res.iterations
@@ -125,11 +85,11 @@ async def closed_loop(front, items: list, clients: int, on_done=None, index=None
 
 class DedicatedFront:
     """AsyncEngine's `generate`/`embed` over `DedicatedEngine.run`, one batch per worker at a
-    time (see the module docstring). `engine` carries what `hetero_jax.rag` reads."""
+    time (see the module docstring); a `rag.Front`."""
 
     def __init__(self, dengine, tokenizer):
         self.dengine = dengine
-        self.engine = types.SimpleNamespace(tokenizer=tokenizer, config=dengine.config)
+        self.tokenizer, self.max_model_len = tokenizer, dengine.config.max_model_len
         self._queues = {EMBED: [], GEN: []}  # kind -> [(request, future)] not yet sent
         self._drains: dict = {}  # kind -> the task sending that worker its batches
         self._threads = {k: concurrent.futures.ThreadPoolExecutor(1, f"dedicated-{k}")
@@ -137,15 +97,9 @@ class DedicatedFront:
         self.batch_sizes: dict = {EMBED: [], GEN: []}
 
     async def generate(self, prompt, params=None):
-        from hetero_jax.engine import GenerateRequest
-        from hetero_jax.params import SamplingParams
-
         return await self._submit(GEN, GenerateRequest(prompt, params or SamplingParams()))
 
     async def embed(self, x, params=None) -> np.ndarray:
-        from hetero_jax.engine import EmbedRequest
-        from hetero_jax.params import PoolingParams
-
         out = await self._submit(EMBED, EmbedRequest(x, params or PoolingParams()))
         return out.embedding
 

@@ -9,7 +9,7 @@ import jax
 import orbax.checkpoint as ocp
 
 from hetero_jax.models.config import ModelConfig
-from hetero_jax.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
+from hetero_jax.models.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 
 
 def save(path: str, model_cfg: ModelConfig, params, tokenizer) -> None:

@@ -10,9 +10,9 @@ finished requests over the whole run.
 
 Every scheduler gets its own engine with the same weights and `EngineConfig` (one `Engine`
 per policy, driven by `AsyncEngine`; `dedicated` is a `DedicatedEngine`, two processes on
-their own cores, driven by `bench_loop.DedicatedFront`). All engines are built and warmed up
+their own cores, driven by `bench.loop.DedicatedFront`). All engines are built and warmed up
 first; then, ratio by ratio, each scheduler serves the same request list with the same
-closed-loop clients (`bench_loop`), schedulers back to back so that a change in the machine's
+closed-loop clients (`bench.loop`), schedulers back to back so that a change in the machine's
 load hits all of them alike. Compiled steps are kept in a persistent XLA cache
 (`--compile-cache`), so engines with the same step shapes compile each variant once.
 """
@@ -26,9 +26,10 @@ import os
 import sys
 import time
 
-from hetero_jax.bench_loop import (MixedWorkload, closed_loop, counters, counters_delta,
+from hetero_jax.bench.loop import (DedicatedFront, closed_loop, counters, counters_delta,
                                    summarize)
-from hetero_jax.bench_report import NOTES, format_table, plot_results
+from hetero_jax.bench.report import NOTES, format_table, plot_results
+from hetero_jax.bench.workloads import MixedWorkload, synthetic_iter_retgen
 
 SCHEDULERS = ("ibs", "fcfs", "homogeneous", "dedicated")
 LIMITS = dict(clients=(1, 1024), requests=(1, 100_000), min_gens=(0, 100_000), repeats=(1, 20),
@@ -147,8 +148,6 @@ def check_args(parser, args) -> None:
     model_max, args.vocab_size = model_cfg.max_position_embeddings, model_cfg.vocab_size
     need = max(args.embed_len, args.prompt_len + args.output_len)
     if args.workload == "iter-retgen":
-        from hetero_jax.rag import synthetic_iter_retgen
-
         args.docs, args.plans = synthetic_iter_retgen(args.requests, args.scale, args.seed)
         need = max(p.prompt_budget + p.max_tokens for p in args.plans) + 1
         if args.baseline:
@@ -182,7 +181,7 @@ class Contender:
     """One scheduler's engine and how to make a closed-loop front for it."""
 
     def __init__(self, name: str, args, config):
-        from hetero_jax.dedicated import make_engine
+        from hetero_jax.serving.factory import make_engine
 
         self.name = name
         source = args.model or args.preset
@@ -211,8 +210,7 @@ class Contender:
             self.batch_sizes = getattr(front, "batch_sizes", {}).get("generate")
 
     def front(self):
-        from hetero_jax.async_engine import AsyncEngine
-        from hetero_jax.bench_loop import DedicatedFront
+        from hetero_jax.serving.async_engine import AsyncEngine
 
         if self.name == "dedicated":
             return DedicatedFront(self.engine, self.tokenizer)
@@ -225,7 +223,7 @@ class Contender:
 
 def _tokenizer(args):
     from hetero_jax.models.config import model_config_from_hf, read_hf_config
-    from hetero_jax.tokenizer import ByteTokenizer, load_tokenizer
+    from hetero_jax.models.tokenizer import ByteTokenizer, load_tokenizer
 
     if not args.model:
         return ByteTokenizer()
@@ -261,8 +259,8 @@ def run_bench(args) -> dict:
         lists = workload_items(args, args.vocab_size)
         index = None
         if args.workload == "iter-retgen":
-            from hetero_jax.params import PoolingParams
             from hetero_jax.rag import build_index
+            from hetero_jax.requests import PoolingParams
 
             index = asyncio.run(_with_front(contenders[0], build_index, args.docs, None,
                                             PoolingParams(truncate=True)))
@@ -337,7 +335,7 @@ def bench_main(argv=None) -> int:
     result = run_bench(args)
     rows = result["rows"]
     if args.baseline == "hf":
-        from hetero_jax.hf_baseline import run_hf_rows
+        from hetero_jax.bench.hf_baseline import run_hf_rows
 
         rows += run_hf_rows(args, result["lists"])
     add_ratios_to_ibs(rows)

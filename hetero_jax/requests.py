@@ -1,4 +1,10 @@
-"""Per-request parameters (plain Python, no jax): validated when a request is made."""
+"""What a user asks for (plain Python, imports no jax): requests and their knobs.
+
+`GenerateRequest(prompt, SamplingParams)` and `EmbedRequest(input, PoolingParams)` go into
+`Engine.run`, `AsyncEngine` or `DedicatedEngine`; a prompt or input is a string (tokenized with
+the model's tokenizer) or a list of token ids. The knobs are checked when they are made, so a
+bad value raises here, naming the value and the limit.
+"""
 from __future__ import annotations
 
 import dataclasses
@@ -6,7 +12,12 @@ import dataclasses
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
-    """How one generation request samples. `temperature=0` is greedy; `top_k=0` means all."""
+    """How one generation request samples. `temperature=0` is greedy; `top_k=0` means all.
+
+    `logprobs=k` returns, for each generated token, its log-probability and the top-k
+    alternatives (of the model's distribution, before temperature); `seed` fixes the request's
+    random stream (None: fixed by the engine's seed and the request's id).
+    """
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -61,26 +72,12 @@ class PoolingParams:
 
 
 @dataclasses.dataclass(frozen=True)
-class GenKnobs:
-    """Host copy of one generation request's sampling knobs; the runner packs them into arrays."""
-
-    temperature: float
-    top_k: int
-    top_p: float
-    seed: int
-    logprobs: int | None
+class GenerateRequest:
+    prompt: str | list
+    params: SamplingParams = SamplingParams()
 
 
 @dataclasses.dataclass(frozen=True)
-class EmbedKnobs:
-    """Host copy of one embedding request's pooling knobs."""
-
-    kind: int  # index into POOLING_KINDS
-    normalize: bool
-    adapter_id: int = 0  # 0 = base model
-
-
-def default_seed(engine_seed: int, request_id: int) -> int:
-    """The sampling seed of a request that names none: fixed by the engine's seed and the
-    request's id, so a rerun of the same requests samples the same tokens."""
-    return (engine_seed * 1_000_003 + request_id) % 2**32
+class EmbedRequest:
+    input: str | list
+    params: PoolingParams = PoolingParams()

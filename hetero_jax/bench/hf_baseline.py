@@ -1,8 +1,8 @@
 """What users would run instead: transformers on PyTorch CPU, on the same weights and requests.
 
 In: a Hugging Face model directory (for a preset, `export_preset` writes one with
-`models.loading.export_hf_model`: the preset's weights under Hugging Face names) and a list
-of `EmbedRequest`/`GenerateRequest` from `bench_loop.MixedWorkload`. Out: one bench row
+`models.formats.hf_llama.export_hf_model`: the preset's weights under Hugging Face names) and a list
+of `EmbedRequest`/`GenerateRequest` from `bench.workloads.MixedWorkload`. Out: one bench row
 (`scheduler="hf"`) per request list.
 
 The usual way to serve transformers: static batches. The same closed-loop clients as the
@@ -21,12 +21,15 @@ import os
 import tempfile
 import time
 
+from hetero_jax.bench.loop import EMBED, GEN, Record, summarize
+from hetero_jax.requests import EmbedRequest
+
 
 def export_preset(name: str, seed: int, path: str) -> str:
     """Write the preset's weights (`Engine.from_preset(name, seed)`) as a Hugging Face Llama
     directory at `path`; returns it."""
     from hetero_jax.models import llama
-    from hetero_jax.models.loading import export_hf_model
+    from hetero_jax.models.formats.hf_llama import export_hf_model
     from hetero_jax.models.presets import preset_config
 
     cfg = preset_config(name)
@@ -87,8 +90,6 @@ def generate_batch(model, prompts: list, max_tokens: int) -> list:
 
 def warmup(model, requests: list) -> None:
     """One small embedding and generation batch, so that one-time setup is not timed."""
-    from hetero_jax.engine import EmbedRequest
-
     embeds = [r.input for r in requests if isinstance(r, EmbedRequest)][:2]
     prompts = [r.prompt for r in requests if not isinstance(r, EmbedRequest)][:2]
     if embeds:
@@ -105,9 +106,6 @@ def run_hf(model, requests: list, clients: int, gen_batch: int = 32,
     then its generations (batches of `gen_batch`). A client whose request finishes submits
     its next one, which waits for the next round. `clients >= len(requests)`: offline.
     """
-    from hetero_jax.bench_loop import EMBED, GEN, Record, summarize
-    from hetero_jax.engine import EmbedRequest
-
     todo = iter(requests)
     start = time.perf_counter()
     pending = [(r, start) for r in itertools.islice(todo, clients)]  # (request, submit time)

@@ -5,7 +5,8 @@ caller's coroutine (a bad request raises there and nowhere else), then hand the 
 the stepper task. The stepper queues new requests and aborts between steps, runs each
 `Engine.step()` in a worker thread (so the event loop stays free for retrieval and other
 work), and resolves the futures of the requests that finished. Cancelling a coroutine aborts
-its request and frees its pages.
+its request and frees its pages. It is a `rag.Front`: `tokenizer` and `max_model_len` are
+what the retrieval pipeline reads.
 """
 from __future__ import annotations
 
@@ -14,8 +15,8 @@ import concurrent.futures
 
 import numpy as np
 
-from hetero_jax.engine import EmbedRequest, Engine, GenerateRequest
-from hetero_jax.params import PoolingParams, SamplingParams
+from hetero_jax.requests import EmbedRequest, GenerateRequest, PoolingParams, SamplingParams
+from hetero_jax.serving.engine import Engine
 
 
 class AsyncEngine:
@@ -27,6 +28,14 @@ class AsyncEngine:
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
         self._thread = concurrent.futures.ThreadPoolExecutor(1, "hetero-jax-step")
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.config.max_model_len
 
     async def generate(self, prompt, params: SamplingParams | None = None):
         """-> RequestOutput."""

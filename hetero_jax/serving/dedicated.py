@@ -13,8 +13,8 @@ top, so the worker can). The parent talks to each worker through one duplex pipe
 requests to one worker and the generation requests to the other, then waits for both, so the
 two kinds run at the same time on their own cores and never share a step.
 
-`make_engine(preset_or_path, config)` returns a `DedicatedEngine` when
-`config.scheduler == "dedicated"`, else an `Engine`.
+Requests are checked by type here and by content in the workers (the shared
+`input_processor`); `generate`/`embed` come from the shared `batch_api`.
 """
 from __future__ import annotations
 
@@ -28,7 +28,10 @@ import traceback
 import weakref
 
 from hetero_jax.config import EngineConfig
-from hetero_jax.params import default_seed
+from hetero_jax.models.presets import preset_config
+from hetero_jax.requests import EmbedRequest
+from hetero_jax.serving.batch_api import BatchAPI
+from hetero_jax.serving.input_processor import check_request_type, default_seed
 
 EMBED_ROLE, GEN_ROLE = "embed", "generate"
 _ONE_THREAD = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
@@ -46,7 +49,7 @@ class ModelSource:
     embed_adapter: str | dict | None = None  # LoRA adapters (embedding worker only)
 
     def build(self, role: str, config: EngineConfig):
-        from hetero_jax.engine import Engine  # imports jax: only inside a worker
+        from hetero_jax.serving.engine import Engine  # imports jax: only inside a worker
 
         if self.preset is not None:
             return Engine.from_preset(self.preset, self.seed, config)
@@ -114,7 +117,7 @@ def _stop(procs: list, conns: list) -> None:
             proc.join(timeout=5)
 
 
-class DedicatedEngine:
+class DedicatedEngine(BatchAPI):
     """An embedding engine and a generation engine in two processes on disjoint cores."""
 
     def __init__(self, spec: ModelSource, config: EngineConfig | None = None,
@@ -149,8 +152,6 @@ class DedicatedEngine:
     @classmethod
     def from_preset(cls, name: str, seed: int = 0, config: EngineConfig | None = None,
                     cores: tuple | None = None) -> "DedicatedEngine":
-        from hetero_jax.models.presets import preset_config
-
         preset_config(name)  # an unknown name fails here, before any process starts
         return cls(ModelSource(preset=name, seed=seed), config, cores)
 
@@ -180,28 +181,14 @@ class DedicatedEngine:
             conn.send(("warmup", None))
         return sum(self._receive(role) for role in self._conns)
 
-    def generate(self, prompts, params=None, use_tqdm: bool = True) -> list:
-        from hetero_jax.engine import Engine
-
-        return Engine.generate(self, prompts, params, use_tqdm)
-
-    def embed(self, inputs, params=None, use_tqdm: bool = True):
-        from hetero_jax.engine import Engine
-
-        return Engine.embed(self, inputs, params, use_tqdm)
-
     def run(self, requests: list, use_tqdm: bool = True) -> list:
         """Embedding requests to one worker, generation requests to the other, at once;
         outputs in input order. `use_tqdm` is accepted for API parity and ignored."""
-        from hetero_jax.engine import EmbedRequest, GenerateRequest
-
         start = time.perf_counter()
         requests = list(requests)
         split = {EMBED_ROLE: [], GEN_ROLE: []}  # role -> [(index, request)]
         for i, r in enumerate(requests):
-            if not isinstance(r, (GenerateRequest, EmbedRequest)):
-                raise ValueError(f"request {i} is a {type(r).__name__}; expected "
-                                 "GenerateRequest or EmbedRequest")
+            check_request_type(i, r)
             role = EMBED_ROLE if isinstance(r, EmbedRequest) else GEN_ROLE
             split[role].append((i, r if role == EMBED_ROLE else self._seeded(i, r)))
         sent = [role for role, items in split.items() if items]
@@ -263,26 +250,3 @@ def _global_index(error: ValueError, indices: list) -> ValueError:
         return error
     kind, local = match[1], int(match[2])
     return type(error)(f"{kind} {indices[local]}{str(error)[match.end():]}")
-
-
-def make_engine(preset_or_path: str, config: EngineConfig | None = None, seed: int = 0):
-    """An engine for a preset name or a Hugging Face directory: a `DedicatedEngine` when
-    `config.scheduler == "dedicated"`, else an `Engine` with that scheduling policy."""
-    from hetero_jax.models.presets import PRESETS
-
-    config = config or EngineConfig()
-    dedicated = config.scheduler == "dedicated"
-    if preset_or_path in PRESETS:
-        if dedicated:
-            return DedicatedEngine.from_preset(preset_or_path, seed, config)
-        from hetero_jax.engine import Engine
-
-        return Engine.from_preset(preset_or_path, seed, config)
-    if not os.path.isdir(preset_or_path):
-        raise ValueError(f"{preset_or_path!r} is neither a preset ({', '.join(PRESETS)}) nor a "
-                         "model directory")
-    if dedicated:
-        return DedicatedEngine.from_pretrained(preset_or_path, config)
-    from hetero_jax.engine import Engine
-
-    return Engine.from_pretrained(preset_or_path, config)

@@ -1,6 +1,6 @@
 """The bench's outputs: a fixed-width table and a PNG plot (matplotlib, Agg backend).
 
-In: result rows (dicts from `bench_loop.summarize`, plus `scheduler`, `ratio`, `vs_ibs`).
+In: result rows (dicts from `loop.summarize`, plus `scheduler`, `ratio`, `vs_ibs`).
 Out: the table as a string; the plot written to a path. Missing values print as `-`.
 """
 from __future__ import annotations

@@ -1,0 +1,121 @@
+"""The workloads the benchmarks and the command line run: real requests for the engine.
+
+- `MixedWorkload`: the bench's mixed embed:gen request lists, fixed lengths, exact counts.
+- `synthetic_iter_retgen`: a corpus and Iter-RetGen `QueryPlan`s with the paper's lengths.
+- `demo_prompts`: prompts of varied lengths for `hetero-jax generate`.
+The simulator describes its workloads with `sim.workload` (length distributions, the mix,
+arrivals); these build real requests for the engine.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+
+import numpy as np
+
+from hetero_jax.rag.iter_retgen import QueryPlan, build_prompt
+from hetero_jax.requests import EmbedRequest, GenerateRequest, PoolingParams, SamplingParams
+from hetero_jax.sched import EMBED, GENERATE as GEN
+
+@dataclasses.dataclass(frozen=True)
+class MixedWorkload:
+    """Fixed lengths of the mixed workload; request lists are deterministic in the seed."""
+
+    embed_len: int = 128
+    prompt_len: int = 128
+    output_len: int = 512
+    seed: int = 0
+
+    @staticmethod
+    def run_size(ratio: tuple, requests: int, min_gens: int) -> int:
+        """Requests in a run at `ratio`: `requests`, raised so that it holds at least
+        `min_gens` generations (a few long generations would otherwise set the whole run's
+        time by their decode chains, and a 9:1 run of 48 requests holds only 5)."""
+        e, g = ratio
+        return max(requests, -(-min_gens * (e + g) // g)) if g else requests
+
+    def requests(self, ratio: tuple, num: int, vocab: int) -> list:
+        """`num` requests at `ratio` (embed, gen): round(num * e / (e + g)) embeddings,
+        shuffled; token ids drawn below min(vocab, 256) (bytes of the byte tokenizer)."""
+        rng = random.Random(f"{self.seed}/{ratio[0]}:{ratio[1]}/{num}")
+        n_embed = round(num * ratio[0] / sum(ratio))
+        kinds = [EMBED] * n_embed + [GEN] * (num - n_embed)
+        rng.shuffle(kinds)
+        hi = min(vocab, 256)
+        gen = SamplingParams(max_tokens=self.output_len, temperature=0.0, ignore_eos=True)
+        pool = PoolingParams("mean", normalize=True)
+        return [EmbedRequest([rng.randrange(hi) for _ in range(self.embed_len)], pool)
+                if k == EMBED else
+                GenerateRequest([rng.randrange(hi) for _ in range(self.prompt_len)], gen)
+                for k in kinds]
+
+
+PAPER_STATS = dict(prompt_mean=500, prompt_max=2000, decode_mean=3000, decode_max=4000,
+                   docs_min=1, docs_max=10)
+_PROMPT_SIGMA = 0.6  # lognormal shape of the prompt length
+_PROMPT_MIN = 100
+
+
+def _words(rng: random.Random, n_chars: int, vocab: list[str]) -> str:
+    """Pseudo-words joined by spaces, exactly `n_chars` characters."""
+    out, size = [], 0
+    while size < n_chars:
+        out.append(rng.choice(vocab))
+        size += len(out[-1]) + 1
+    return " ".join(out)[:n_chars].rstrip() or vocab[0][:n_chars]
+
+
+def synthetic_iter_retgen(num_queries: int, scale: float = 0.05, seed: int = 0,
+                          num_docs: int | None = None) -> tuple[list[str], list[QueryPlan]]:
+    """A corpus and `num_queries` `QueryPlan`s with the paper's Iter-RetGen statistics.
+
+    Per query, in tokens of the byte-level tokenizer (one ASCII character each) before scaling:
+    - documents retrieved k: uniform integer in [1, 10] (mean 5.5);
+    - prompt length P (`prompt_budget`): lognormal with sigma 0.6 and mean 500, clipped to
+      [100, 2000] (median 418, 99th percentile ~1650); then x scale, and at least the prompt
+      with k four-character documents (so small scales raise the short prompts);
+    - decode length (`max_tokens`, per generation): uniform integer in [2000, 4000]
+      (mean 3000, max 4000), x scale, at least 1;
+    - question: 8-24 characters of pseudo-words (not scaled).
+    Documents (default 2 x num_queries, at least 32) are pseudo-words of 2000 x scale to
+    2200 x scale characters, long enough that `fit_prompt` cuts the k retrieved ones to
+    exactly P, whichever are retrieved. The engine needs max_model_len >= 6000 x scale + 1
+    and an embedding limit >= 2200 x scale tokens (else build the index with truncate=True).
+    """
+    if num_queries < 1 or not 0 < scale <= 1:
+        raise ValueError(f"num_queries={num_queries} must be >= 1 and scale={scale} in (0, 1]")
+    rng = random.Random(seed)
+    letters = "bcdfghjklmnprstvwz"
+    vocab = sorted({"".join(rng.choice(letters) + rng.choice("aeiou")
+                            for _ in range(rng.randint(1, 4))) for _ in range(400)})
+    p_max = PAPER_STATS["prompt_max"]
+    docs = [_words(rng, max(4, round(rng.uniform(p_max, 1.1 * p_max) * scale)), vocab)
+            for _ in range(num_docs or max(32, 2 * num_queries))]
+    mu = math.log(PAPER_STATS["prompt_mean"]) - _PROMPT_SIGMA**2 / 2
+    plans = []
+    for _ in range(num_queries):
+        k = rng.randint(PAPER_STATS["docs_min"], PAPER_STATS["docs_max"])
+        question = _words(rng, rng.randint(8, 24), vocab)
+        prompt = min(max(rng.lognormvariate(mu, _PROMPT_SIGMA), _PROMPT_MIN), p_max)
+        floor = 1 + len(build_prompt(["x" * 4] * k, question))  # BOS + the shortest prompt
+        decode = rng.randint(PAPER_STATS["decode_mean"] * 2 - PAPER_STATS["decode_max"],
+                             PAPER_STATS["decode_max"])
+        plans.append(QueryPlan(question, k, max(1, round(decode * scale)),
+                               max(floor, round(prompt * scale))))
+    return docs, plans
+
+
+_TOPICS = ["the history of the printing press", "how a compiler turns code into machine code",
+           "why the sky is blue", "a recipe for bread", "the rules of chess",
+           "what a transformer model computes", "the water cycle", "how vaccines work"]
+
+
+def demo_prompts(n: int, seed: int) -> list:
+    """n prompts of varied lengths built from a few topics, deterministic in seed."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        topic = _TOPICS[i % len(_TOPICS)]
+        out.append(f"Question {i}: explain {topic}. " * int(rng.integers(1, 6)) + "Answer:")
+    return out

@@ -1,0 +1,40 @@
+"""Layer-layout helpers shared by the decoder and the encoder.
+
+Loaders and checkpoints hold layer weights stacked on a leading axis (`layers: {name: [L, ...]}`),
+which one `lax.scan` body runs. On a CPU, `lax.scan` copies each layer's weight slice every
+step, so there the runners use the per-layer layout from `split_layers` (made once, outside
+jit) and the models unroll the layer loop; `stack_layers` inverts it for saving.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def split_layers(params) -> dict:
+    """The same params with `layers` as a tuple of per-layer dicts (done once, outside jit).
+
+    `forward` then runs the layers as an unrolled Python loop. On a CPU this avoids the copy
+    of each layer's weights that `lax.scan` makes when it slices the stacked arrays (measured
+    about 4x faster decode on the `small` preset); compile time grows with depth instead.
+    """
+    stacked = params["layers"]
+    num_layers = next(iter(stacked.values())).shape[0]
+    layers = tuple({k: v[i] for k, v in stacked.items()} for i in range(num_layers))
+    return dict(params, layers=layers)
+
+
+def for_layer_loop(params, layer_loop: str) -> dict:
+    """Params laid out for `layer_loop`: "scan", "unrolled", or "auto" (unrolled on a CPU)."""
+    if layer_loop not in ("auto", "scan", "unrolled"):
+        raise ValueError(f"layer_loop={layer_loop!r}: expected auto, scan or unrolled")
+    if layer_loop == "auto":
+        layer_loop = "unrolled" if jax.default_backend() == "cpu" else "scan"
+    return split_layers(params) if layer_loop == "unrolled" else params
+
+
+def stack_layers(params) -> dict:
+    """Inverse of `split_layers` (a no-op on stacked params)."""
+    if not isinstance(params["layers"], tuple):
+        return params
+    return dict(params, layers=jax.tree.map(lambda *xs: jnp.stack(xs), *params["layers"]))

@@ -1,0 +1,39 @@
+"""What a user gets back (plain Python, imports no jax): outputs and the engine's counters.
+
+`RequestOutput` answers a `GenerateRequest`, `EmbeddingOutput` an `EmbedRequest`, in the order
+the requests were given. Times are `time.perf_counter()` seconds; latencies are from arrival.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    request_id: int
+    prompt_token_ids: list
+    token_ids: list  # generated ids only
+    text: str | None
+    finish_reason: str  # "stop" | "length" | "abort"
+    logprobs: list | None  # per token: {"logprob", "top": [(token_id, logprob), ...]}
+    metrics: dict  # arrival_time, first_token_time, finish_time, ttft_s, latency_s, preemptions
+
+
+@dataclasses.dataclass
+class EmbeddingOutput:
+    request_id: int
+    prompt_token_ids: list
+    embedding: object  # np.ndarray [d] float32
+    finish_reason: str  # "embedded" | "abort"
+    metrics: dict  # arrival_time, finish_time, latency_s
+
+
+@dataclasses.dataclass
+class EngineStats:
+    steps: int = 0
+    scheduled_tokens: int = 0
+    generated_tokens: int = 0
+    step_time_s: float = 0.0
+    preemptions: int = 0
+    compiles: int = 0
+    compile_s: float = 0.0  # part of step_time_s spent compiling new variants

@@ -1,0 +1,117 @@
+"""Host -> device: the scheduler's items packed into one bucketed `StepBatch`.
+
+In: the decoder's `ScheduledItem`s of one step (plain data, sorted embedding chunks, prefill
+chunks, decode tokens) and the `EngineConfig` bucket lists. Out: the variant key
+`(T, S, Sc, pages_per_seq)` and numpy arrays of exactly those shapes. Padding tokens write
+their K/V to the scratch page 0 and pool into the dummy slot; padding sequences have kv_len 0.
+`batch_spec` gives the same structure as shapes, for ahead-of-time lowering.
+"""
+from __future__ import annotations
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from hetero_jax.config import EngineConfig, pad_to_bucket
+from hetero_jax.models import llama
+from hetero_jax.runner import pooler
+from hetero_jax.runner.sampler import SamplingKnobs
+from hetero_jax.sched import DECODE, EMBED
+
+
+@flax.struct.dataclass
+class StepBatch:
+    tokens: jax.Array  # [T] int32
+    positions: jax.Array  # [T] int32
+    slots: jax.Array  # [T] int32: page * page_size + offset where the token's K/V goes
+    meta: llama.AttnMeta  # kv_lens [S], page_indices [S, P], cu_q_lens [S+1], num_seqs []
+    sample_rows: jax.Array  # [S] int32: the token row whose logits each sequence samples
+    knobs: SamplingKnobs  # [S] each
+    pool: pooler.PoolBatch  # token_slot [T]; per embedding item [Sc]
+    adapter_ids: jax.Array  # [T] int32: each token's LoRA adapter, 0 = base model
+
+
+def batch_spec(t: int, s: int, sc: int, p: int) -> StepBatch:
+    """Shape/dtype structs of a StepBatch variant, for ahead-of-time lowering."""
+    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
+    f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
+    bool_ = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bool_)  # noqa: E731
+    return StepBatch(
+        tokens=i32(t), positions=i32(t), slots=i32(t),
+        meta=llama.AttnMeta(kv_lens=i32(s), page_indices=i32(s, p), cu_q_lens=i32(s + 1),
+                            num_seqs=i32()),
+        sample_rows=i32(s),
+        knobs=SamplingKnobs(temperature=f32(s), top_k=i32(s), top_p=f32(s),
+                            seed=jax.ShapeDtypeStruct((s,), jnp.uint32), step=i32(s)),
+        pool=pooler.PoolBatch(token_slot=i32(t), item_slot=i32(sc), item_last_row=i32(sc),
+                              item_first_chunk=bool_(sc), kind=i32(sc), normalize=bool_(sc),
+                              item_length=i32(sc)),
+        adapter_ids=i32(t))
+
+
+def variant_of(items: list, cfg: EngineConfig) -> tuple:
+    """The bucket variant (T, S, Sc, pages_per_seq) that holds `items`."""
+    s = pad_to_bucket(len(items), cfg.seq_buckets)
+    sc = min(pad_to_bucket(sum(it.kind != DECODE for it in items), cfg.chunk_seq_buckets), s)
+    p = pad_to_bucket(max(-(-(it.start + it.num_tokens) // cfg.page_size) for it in items),
+                      cfg.page_buckets)
+    return pad_to_bucket(sum(it.num_tokens for it in items), cfg.token_buckets), s, sc, p
+
+
+def _pack_sampling(items: list, s: int) -> SamplingKnobs:
+    temperature, top_p = np.zeros(s, np.float32), np.ones(s, np.float32)
+    top_k, step_idx, seed = np.zeros(s, np.int32), np.zeros(s, np.int32), np.zeros(s, np.uint32)
+    for i, it in enumerate(items):
+        if it.kind != EMBED:
+            k = it.knobs
+            temperature[i], top_k[i], top_p[i] = k.temperature, k.top_k, k.top_p
+            seed[i], step_idx[i] = k.seed, it.num_output_tokens
+    return SamplingKnobs(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                         step=step_idx)
+
+
+def _pack_pooling(items: list, rows: list, t: int, sc: int, dummy: int) -> pooler.PoolBatch:
+    """Pool arrays for the embedding items (the first ones of the step, in order)."""
+    token_slot = np.full(t, dummy, np.int32)
+    item_slot, last_row = np.full(sc, dummy, np.int32), np.zeros(sc, np.int32)
+    first, normalize = np.zeros(sc, bool), np.zeros(sc, bool)
+    kind, length = np.zeros(sc, np.int32), np.zeros(sc, np.int32)
+    for i, it in enumerate(it for it in items if it.kind == EMBED):
+        lo, hi = rows[i]
+        token_slot[lo:hi], item_slot[i], last_row[i] = it.pool_slot, it.pool_slot, hi - 1
+        first[i], length[i] = it.start == 0, it.start + it.num_tokens
+        kind[i], normalize[i] = it.knobs.kind, it.knobs.normalize
+    return pooler.PoolBatch(token_slot=token_slot, item_slot=item_slot, item_last_row=last_row,
+                            item_first_chunk=first, kind=kind, normalize=normalize,
+                            item_length=length)
+
+
+def pack_batch(items: list, cfg: EngineConfig) -> tuple[tuple, StepBatch]:
+    """Host arrays for one step and its variant key (T, S, Sc, pages_per_seq)."""
+    key = t, s, sc, p = variant_of(items, cfg)
+    ps, n_tok = cfg.page_size, sum(it.num_tokens for it in items)
+    tokens, positions, slots, adapter_ids = (np.zeros(t, np.int32) for _ in range(4))
+    kv_lens, sample_rows = np.zeros(s, np.int32), np.zeros(s, np.int32)
+    page_indices = np.zeros((s, p), np.int32)
+    cu = np.full(s + 1, n_tok, np.int32)
+    cu[0] = 0
+    rows = []
+    for i, it in enumerate(items):
+        lo = int(cu[i])
+        hi = lo + it.num_tokens
+        pos = np.arange(it.start, it.start + it.num_tokens)
+        pages = np.asarray(it.pages[:p], np.int32)
+        tokens[lo:hi], positions[lo:hi] = it.token_ids, pos
+        slots[lo:hi] = pages[pos // ps] * ps + pos % ps
+        page_indices[i, :len(pages)] = pages
+        kv_lens[i], cu[i + 1], sample_rows[i] = it.start + it.num_tokens, hi, hi - 1
+        adapter_ids[lo:hi] = it.knobs.adapter_id if it.kind == EMBED else 0
+        rows.append((lo, hi))
+    batch = StepBatch(
+        tokens=tokens, positions=positions, slots=slots,
+        meta=llama.AttnMeta(kv_lens=kv_lens, page_indices=page_indices, cu_q_lens=cu,
+                            num_seqs=np.int32(len(items))),
+        sample_rows=sample_rows, knobs=_pack_sampling(items, s),
+        pool=_pack_pooling(items, rows, t, sc, cfg.max_num_seqs), adapter_ids=adapter_ids)
+    return key, batch

@@ -1,0 +1,120 @@
+"""The decoder runner: one jitted mixed step over the paged KV cache, per scheduled step.
+
+In: the decoder's `ScheduledItem`s of one step (plain host data from the scheduler). Out:
+`RunnerOutput` with one sampled token per item that ends at its request's last token, and
+one pooled vector per embedding request whose last chunk ran. The step is
+`(params, state, batch) -> (state, packed)`; the state (KV cache and pooler sums) is donated,
+so XLA updates it in place; `packed` (layout: `packed.PackedLayout`) is the only device->host
+copy. Token layout of a step (sorted by kind): embedding chunks, prefill chunks, decode
+tokens, padding (`batch.pack_batch`). Executables are compiled ahead of time per bucket
+variant `(T, S, Sc, pages_per_seq)` and kept in an `ExecutableCache`, so `compiles` is exact
+and `Engine.warmup()` can build every variant. The runner allocates nothing: pages and pooler
+slots come from the scheduler inside the items.
+"""
+from __future__ import annotations
+
+import functools
+import time
+import warnings
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from hetero_jax.config import EngineConfig
+from hetero_jax.models import llama
+from hetero_jax.models.config import ModelConfig
+from hetero_jax.models.layers import for_layer_loop
+from hetero_jax.ops import ragged_paged_attention
+from hetero_jax.runner import pooler
+from hetero_jax.runner.batch import StepBatch, batch_spec, pack_batch
+from hetero_jax.runner.executables import ExecutableCache
+from hetero_jax.runner.packed import PackedLayout
+from hetero_jax.runner.sampler import sample
+from hetero_jax.sched import EMBED, RunnerOutput
+
+
+@flax.struct.dataclass
+class DeviceState:
+    """Everything the step replaces: donated, so XLA updates it in place."""
+
+    kv: llama.KVCache
+    pool: pooler.PoolerState
+
+
+def step(params, state: DeviceState, batch: StepBatch, *, model_cfg: ModelConfig,
+         layout: PackedLayout, max_q_len: int, impl: str, interpret: bool, head=None):
+    """One mixed forward pass -> (state, packed f32 [layout.size]).
+
+    The LM head runs only on the S sampled rows; the pooler only when the step has chunk rows.
+    """
+    attn_fn = functools.partial(ragged_paged_attention, impl=impl, max_q_len=max_q_len,
+                                num_multi_query_seqs=layout.num_chunk_seqs, interpret=interpret)
+    hidden, kv = llama.forward(params, model_cfg, batch.tokens, batch.positions, batch.slots,
+                               state.kv, batch.meta, attn_fn, batch.adapter_ids)
+    logits = llama.lm_logits(params, model_cfg, hidden[batch.sample_rows])  # [S, V]
+    rows = sample(logits, batch.knobs, layout.num_logprobs)  # [S, 2 + 2K]
+    pool, vectors = state.pool, None
+    if layout.num_chunk_seqs:
+        pool, vectors = pooler.update(state.pool, hidden, batch.positions, batch.pool, head)
+    return DeviceState(kv, pool), layout.pack(rows, vectors)
+
+
+class DecoderRunner:
+    """Owns the params and the device state (KV cache, pooler); runs steps; counts compiles."""
+
+    def __init__(self, model_cfg: ModelConfig, cfg: EngineConfig, params):
+        backend = jax.default_backend()
+        if backend == "cpu" and jnp.dtype(cfg.dtype).itemsize == 2:
+            warnings.warn(f"dtype={cfg.dtype!r} on the CPU backend is slow: XLA:CPU runs 16-bit "
+                          "scatters, gathers and element-wise ops through float32 copies (the "
+                          "small preset's 16-token decode step: 4.9 s in bfloat16 vs 28 ms in "
+                          "float32); use float32 on a CPU", stacklevel=3)
+        self.model_cfg, self.cfg = model_cfg, cfg
+        self.params = for_layer_loop(params, cfg.layer_loop)
+        dtype = jnp.dtype(cfg.dtype)
+        self.state = DeviceState(
+            kv=llama.KVCache.zeros(model_cfg, cfg.num_pages, cfg.page_size, dtype),
+            pool=pooler.PoolerState.zeros(cfg.max_num_seqs, model_cfg.hidden_size,
+                                          cfg.max_model_len if cfg.buffered_head else 1))
+        impl = cfg.attention_impl
+        self.impl = ("pallas" if backend == "gpu" else "xla") if impl == "auto" else impl
+        self.interpret = self.impl == "pallas" and backend != "gpu"  # Pallas off-GPU: interpret
+        self.executable = ExecutableCache(self._compile)
+
+    @property
+    def compiles(self) -> int:
+        return len(self.executable)
+
+    @property
+    def compile_s(self) -> float:
+        return self.executable.seconds
+
+    def layout(self, key: tuple) -> PackedLayout:
+        _, s, sc, _ = key
+        return PackedLayout(s, self.cfg.max_logprobs, sc, self.model_cfg.hidden_size)
+
+    def _compile(self, key: tuple):
+        t, s, sc, p = key
+        fn = jax.jit(functools.partial(
+            step, model_cfg=self.model_cfg, layout=self.layout(key),
+            max_q_len=min(self.cfg.chunk_size, t), impl=self.impl, interpret=self.interpret,
+            head=self.cfg.buffered_head), donate_argnums=(1,))
+        return fn.lower(self.params, self.state, batch_spec(t, s, sc, p)).compile()
+
+    def execute(self, items: list) -> RunnerOutput:
+        """Run one step of `items` (sorted by kind, at least one)."""
+        t0 = time.perf_counter()
+        key, batch = pack_batch(items, self.cfg)
+        self.state, packed = self.executable(key)(self.params, self.state, batch)
+        layout = self.layout(key)
+        rows, vectors = layout.unpack(np.asarray(packed))
+        result = RunnerOutput()
+        for i, it in enumerate(items):
+            if it.samples:
+                result.sampled[it.request_id] = layout.sampled_token(rows[i])
+            elif it.kind == EMBED and it.ends:
+                result.embeddings[it.request_id] = vectors[i].copy()
+        result.step_time = time.perf_counter() - t0
+        return result

@@ -1,0 +1,27 @@
+"""`generate` and `embed` over `run`, for every engine with a batch `run` (Engine, DedicatedEngine).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from hetero_jax.requests import PoolingParams, SamplingParams
+from hetero_jax.serving.input_processor import as_embed_requests, as_generate_requests
+
+
+class BatchAPI:
+    """Mixin: the subclass provides `run(requests, use_tqdm) -> outputs in input order`."""
+
+    def run(self, requests: list, use_tqdm: bool = True) -> list:
+        raise NotImplementedError
+
+    def generate(self, prompts, params: SamplingParams | list | None = None,
+                 use_tqdm: bool = True) -> list:
+        """Prompts (strings or token-id lists) -> `RequestOutput`s in input order; `params` is
+        one `SamplingParams` for all or one per prompt."""
+        return self.run(as_generate_requests(prompts, params), use_tqdm)
+
+    def embed(self, inputs, params: PoolingParams | list | None = None,
+              use_tqdm: bool = True) -> np.ndarray:
+        """Strings or token-id lists -> `[N, d]` in input order."""
+        outs = self.run(as_embed_requests(inputs, params), use_tqdm)
+        return np.stack([o.embedding for o in outs])

@@ -1,0 +1,37 @@
+"""A separate embedding model beside the decoder: its runner, tokenizer and default pooling.
+
+In: a local sentence-transformers / Hugging Face BERT directory. Out: a `SeparateEncoder`
+whose `runner` embeds the scheduler's encoder items and whose `embedding_model` is what the
+input processor checks embedding inputs against (its tokenizer, vocabulary, position limit
+and the directory's pooling and normalisation).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+from hetero_jax.models.formats.hf_bert import load_bert
+from hetero_jax.models.formats.sentence_transformers import read_sentence_transformers_pooling
+from hetero_jax.models.tokenizer import load_tokenizer
+from hetero_jax.runner.encoder import EncoderRunner
+from hetero_jax.serving.input_processor import EmbeddingModel
+
+
+@dataclasses.dataclass
+class SeparateEncoder:
+    runner: EncoderRunner
+    tokenizer: object
+    pooling: str
+    normalize: bool
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str, dtype=jnp.float32) -> "SeparateEncoder":
+        cfg, params = load_bert(model_dir, dtype)
+        pooling, normalize = read_sentence_transformers_pooling(model_dir)
+        return cls(EncoderRunner(cfg, params), load_tokenizer(model_dir, ()), pooling, normalize)
+
+    @property
+    def embedding_model(self) -> EmbeddingModel:
+        return EmbeddingModel(self.tokenizer, self.runner.cfg.vocab_size, self.runner.max_len,
+                              self.pooling, self.normalize, on_decoder=False)

@@ -1,0 +1,188 @@
+"""The synchronous engine: validate requests, then loop schedule -> runner step -> update.
+
+In: `GenerateRequest`s / `EmbedRequest`s (or `generate`/`embed` arguments, `batch_api`).
+Out: `RequestOutput`s / `EmbeddingOutput`s (or an `[N, d]` array from `embed`) in input order.
+One thread. A request goes down once: `input_processor` checks and tokenizes it (a bad one
+raises before anything is queued), the host `sched.Scheduler` queues it and decides each
+step, `runner.DecoderRunner` (and a separate encoder's `runner.EncoderRunner`) run the
+step's plain-data items on the device, `Scheduler.update` advances the requests, and
+`output_processor` formats the finished ones. Generation and embedding requests share the
+same steps (`run`); `add`/`step`/`abort`/`output` expose the loop to `AsyncEngine`.
+"""
+from __future__ import annotations
+
+import time
+
+import jax
+import jax.numpy as jnp
+from tqdm.auto import tqdm
+
+from hetero_jax.config import EngineConfig
+from hetero_jax.models import llama, lora
+from hetero_jax.models.config import ModelConfig
+from hetero_jax.models.formats.hf_llama import load_hf_model
+from hetero_jax.models.formats.peft import load_adapter
+from hetero_jax.models.layers import stack_layers
+from hetero_jax.models.presets import preset_config
+from hetero_jax.models.tokenizer import ByteTokenizer, load_tokenizer
+from hetero_jax.outputs import EngineStats
+from hetero_jax.runner.decoder import DecoderRunner
+from hetero_jax.sched import RunnerOutput, Scheduler, SchedulerConfig
+from hetero_jax.serving import checkpoint
+from hetero_jax.serving.batch_api import BatchAPI
+from hetero_jax.serving.encoder import SeparateEncoder
+from hetero_jax.serving.input_processor import EmbeddingModel, InputProcessor
+from hetero_jax.serving.output_processor import make_output
+
+
+class Engine(BatchAPI):
+    def __init__(self, model_cfg: ModelConfig, params, tokenizer, config: EngineConfig | None = None,
+                 encoder: SeparateEncoder | None = None, adapters: dict | None = None):
+        """`adapters` maps LoRA adapter names to loaded `lora.LoraAdapter`s (embedding only);
+        `encoder`, when given, embeds every embedding request instead of the decoder."""
+        dtype = jnp.dtype((config or EngineConfig()).dtype)
+        kv_bytes = 2 * model_cfg.num_layers * model_cfg.num_kv_heads * model_cfg.head_dim * dtype.itemsize
+        # Sliding-window attention is not implemented: within the window it equals full attention.
+        max_len = min(model_cfg.max_position_embeddings, model_cfg.sliding_window or 2**31)
+        self.config = c = (config or EngineConfig()).resolve(max_len, kv_bytes)
+        self.model_cfg, self.tokenizer, self.encoder = model_cfg, tokenizer, encoder
+        params = jax.tree.map(lambda x: jnp.asarray(x, dtype), params)
+        adapter_ids = {name: i + 1 for i, name in enumerate(adapters or {})}  # 0 = base
+        if adapters:
+            stacked = lora.stack_adapters(list(adapters.values()), model_cfg, dtype)
+            params = dict(params, layers=lora.merge_lora_layers(params["layers"], stacked))
+        self.runner = DecoderRunner(model_cfg, c, params)
+        self.scheduler = Scheduler(SchedulerConfig(
+            token_budget=c.token_budget, chunk_size=c.chunk_size, max_num_seqs=c.max_num_seqs,
+            max_chunk_seqs=c.max_chunk_seqs, page_size=c.page_size, num_pages=c.num_pages,
+            max_model_len=c.max_model_len, policy=c.scheduler,
+            encoder_max_seqs=encoder.runner.batch_buckets[-1] if encoder else 0))
+        embedding = encoder.embedding_model if encoder else EmbeddingModel(
+            tokenizer, model_cfg.vocab_size, c.max_model_len, "mean", True, on_decoder=True)
+        self.inputs = InputProcessor(model_cfg, c, tokenizer, embedding, adapter_ids)
+        self.stats = EngineStats()
+        self._next_id = 0
+
+    # -- construction ------------------------------------------------------------------------
+    @classmethod
+    def from_preset(cls, name: str, seed: int = 0, config: EngineConfig | None = None,
+                    embed_model: str | None = None) -> "Engine":
+        """An embedded model (random weights from `seed`); `embed_model` as in from_pretrained."""
+        cfg = preset_config(name)
+        dtype = jnp.dtype((config or EngineConfig()).dtype)
+        encoder = SeparateEncoder.from_pretrained(embed_model, dtype) if embed_model else None
+        return cls(cfg, llama.init_params(cfg, seed), ByteTokenizer(), config, encoder)
+
+    @classmethod
+    def from_pretrained(cls, path: str, config: EngineConfig | None = None,
+                        embed_model: str | None = None,
+                        embed_adapter: str | dict | None = None) -> "Engine":
+        """A decoder from a local Hugging Face directory.
+
+        `embed_model` names a separate BERT-family encoder directory that then serves every
+        embedding request. `embed_adapter` names a PEFT LoRA directory (or a dict name ->
+        directory) whose adapter embedding tokens use on the shared backbone, in the same pass
+        as generation tokens on the base weights; the first one is the default.
+        """
+        dtype = jnp.dtype((config or EngineConfig()).dtype)
+        model_cfg, params = load_hf_model(path, dtype)
+        encoder = SeparateEncoder.from_pretrained(embed_model, dtype) if embed_model else None
+        dirs = {"default": embed_adapter} if isinstance(embed_adapter, str) else embed_adapter
+        adapters = {name: load_adapter(d, model_cfg, dtype) for name, d in (dirs or {}).items()}
+        return cls(model_cfg, params, load_tokenizer(path, model_cfg.eos_token_ids), config,
+                   encoder, adapters)
+
+    def save(self, path: str) -> None:
+        """An engine-native checkpoint (orbax): params, model config and tokenizer."""
+        checkpoint.save(path, self.model_cfg, stack_layers(self.runner.params), self.tokenizer)
+
+    @classmethod
+    def load(cls, path: str, config: EngineConfig | None = None) -> "Engine":
+        model_cfg, params, tokenizer = checkpoint.load(path)
+        return cls(model_cfg, params, tokenizer, config)
+
+    # -- serving -----------------------------------------------------------------------------
+    def warmup(self) -> int:
+        """Compile every step variant (and every encoder bucket); returns the compile count."""
+        for key in self.config.variants():
+            self.runner.executable(key)
+        if self.encoder:
+            self.encoder.runner.warmup()
+        self._count_compiles()
+        return self.stats.compiles
+
+    def run(self, requests: list, use_tqdm: bool = True) -> list:
+        """Serve a mix of GenerateRequest and EmbedRequest together in heterogeneous steps;
+        outputs (RequestOutput / EmbeddingOutput) come back in input order."""
+        reqs = self.add(requests)
+        bar = tqdm(total=len(reqs), desc="requests", unit="req", disable=not use_tqdm)
+        start, tokens0 = time.perf_counter(), self.stats.generated_tokens
+        try:
+            while self.has_work():
+                bar.update(len(self.step()))
+                rate = (self.stats.generated_tokens - tokens0) / (time.perf_counter() - start)
+                bar.set_postfix(tok_s=f"{rate:.1f}", refresh=False)
+        finally:
+            bar.close()
+            for req in reqs:
+                self.abort(req.request_id)  # no-op for finished ones
+        return [self.output(req) for req in reqs]
+
+    # -- step-wise interface (AsyncEngine drives it) -----------------------------------------
+    def add(self, requests: list) -> list:
+        """Validate every request, then queue them all; returns their `Request` handles.
+
+        A bad request raises before anything is queued, so the others are not half-added.
+        """
+        return self.enqueue(self.prepare(requests))
+
+    def prepare(self, requests: list) -> list:
+        """Validate and tokenize requests into `Request` handles without queueing them."""
+        reqs = [self.inputs.process(i, r, self._next_id + i) for i, r in enumerate(requests)]
+        self._next_id += len(reqs)
+        return reqs
+
+    def enqueue(self, reqs: list) -> list:
+        """Queue prepared handles (between steps); returns them."""
+        for req in reqs:
+            self.scheduler.add(req)
+        return reqs
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def step(self) -> list:
+        """One scheduled step: the separate encoder's pass (if it has items), then the
+        decoder's (if it has items); returns the requests that finished."""
+        out = self.scheduler.schedule()
+        assert out.items or out.encoder_items, "an empty step while requests are pending"
+        runner_out = RunnerOutput()
+        if out.encoder_items:
+            runner_out = self.encoder.runner.execute(out.encoder_items)
+        if out.items:
+            runner_out = runner_out.merge(self.runner.execute(out.items))
+        finished = self.scheduler.update(out, runner_out, time.perf_counter())
+        self._account(out, runner_out)
+        return finished
+
+    def abort(self, request_id) -> None:
+        """Drop a request wherever it is; the scheduler frees its pages and pooler slot."""
+        self.scheduler.abort(request_id)
+
+    def output(self, req):
+        """The user-facing output of a (finished) request handle."""
+        return make_output(req, self.tokenizer)
+
+    def _account(self, out, runner_out) -> None:
+        s = self.stats
+        s.steps += 1
+        s.scheduled_tokens += out.num_tokens
+        s.generated_tokens += len(runner_out.sampled)
+        s.step_time_s += runner_out.step_time
+        s.preemptions += len(out.preempted)
+        self._count_compiles()
+
+    def _count_compiles(self) -> None:
+        runners = [self.runner] + ([self.encoder.runner] if self.encoder else [])
+        self.stats.compiles = sum(r.compiles for r in runners)
+        self.stats.compile_s = sum(r.compile_s for r in runners)

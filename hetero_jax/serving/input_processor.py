@@ -1,0 +1,136 @@
+"""Input processor: a user's requests -> checked, tokenized scheduler `Request`s.
+
+In: `GenerateRequest`s / `EmbedRequest`s (strings or token-id lists, with their params), the
+request's index in the caller's list (errors name it) and the engine-wide request id. Out:
+`sched.Request`s with resolved knobs (`GenKnobs`: the seed fixed; `EmbedKnobs`: the pooling
+kind, normalisation and adapter id of the embedding model's defaults). Everything a request
+could fail on is checked here, before anything is queued, so a bad input raises a ValueError
+naming the value and the limit and the engine stays usable. Shared by `Engine` (and through
+it `AsyncEngine`) and `DedicatedEngine`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+
+from hetero_jax.config import EngineConfig
+from hetero_jax.models.config import ModelConfig
+from hetero_jax.requests import (POOLING_KINDS, EmbedRequest, GenerateRequest, PoolingParams,
+                                 SamplingParams)
+from hetero_jax.sched import EMBED, EmbedKnobs, GenKnobs, Request
+
+
+def default_seed(engine_seed: int, request_id: int) -> int:
+    """The sampling seed of a request that names none: fixed by the engine's seed and the
+    request's id, so a rerun of the same requests samples the same tokens."""
+    return (engine_seed * 1_000_003 + request_id) % 2**32
+
+
+def check_request_type(index: int, request) -> None:
+    if not isinstance(request, (GenerateRequest, EmbedRequest)):
+        raise ValueError(f"request {index} is a {type(request).__name__}; expected "
+                         "GenerateRequest or EmbedRequest")
+
+
+def as_generate_requests(prompts, params: SamplingParams | list | None) -> list:
+    """`Engine.generate`'s arguments -> GenerateRequests (one params for all, or one each)."""
+    prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+    if params is None or isinstance(params, SamplingParams):
+        params = [params or SamplingParams()] * len(prompts)
+    if len(params) != len(prompts):
+        raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+    return [GenerateRequest(p, sp) for p, sp in zip(prompts, params)]
+
+
+def as_embed_requests(inputs, params: PoolingParams | list | None) -> list:
+    """`Engine.embed`'s arguments -> EmbedRequests (one params for all, or one each)."""
+    inputs = [inputs] if isinstance(inputs, str) else list(inputs)
+    if params is None or isinstance(params, PoolingParams):
+        params = [params or PoolingParams()] * len(inputs)
+    if len(params) != len(inputs):
+        raise ValueError(f"got {len(params)} PoolingParams for {len(inputs)} inputs")
+    return [EmbedRequest(x, p) for x, p in zip(inputs, params)]
+
+
+def tokenize(index: int, text, tokenizer, vocab: int, kind: str) -> list:
+    """A string or token-id list -> checked token ids; `kind` ("prompt", "input") names it."""
+    if isinstance(text, str):
+        if tokenizer is None:
+            raise ValueError(f"{kind} {index} is a string but the model has no tokenizer; "
+                             "pass token ids")
+        ids = tokenizer.encode(text) if text else []
+    else:
+        ids = [int(t) for t in text]
+    if not ids:
+        raise ValueError(f"{kind} {index} is empty")
+    bad = [t for t in ids if not 0 <= t < vocab]
+    if bad:
+        raise ValueError(f"{kind} {index}: token id {bad[0]} outside [0, {vocab})")
+    return ids
+
+
+@dataclasses.dataclass(frozen=True)
+class EmbeddingModel:
+    """What embedding inputs are checked against: the model that embeds them."""
+
+    tokenizer: object
+    vocab_size: int
+    max_len: int  # "the embedding limit"
+    pooling: str  # defaults, when PoolingParams leaves them None
+    normalize: bool
+    on_decoder: bool  # the decoder embeds (chunked, buffered head possible)
+
+
+class InputProcessor:
+    def __init__(self, model_cfg: ModelConfig, config: EngineConfig, tokenizer,
+                 embedding: EmbeddingModel, adapter_ids: dict):
+        """`config` is resolved; `adapter_ids` maps LoRA adapter names to ids (0 = base)."""
+        self.model_cfg, self.config, self.tokenizer = model_cfg, config, tokenizer
+        self.embedding, self.adapter_ids = embedding, adapter_ids
+
+    def process(self, index: int, request, request_id: int) -> Request:
+        check_request_type(index, request)
+        if isinstance(request, EmbedRequest):
+            return self._embed(index, request_id, request)
+        sp = request.params
+        if sp.logprobs is not None and sp.logprobs > self.config.max_logprobs:
+            raise ValueError(f"logprobs={sp.logprobs} exceeds max_logprobs="
+                             f"{self.config.max_logprobs}")
+        ids = tokenize(index, request.prompt, self.tokenizer, self.model_cfg.vocab_size, "prompt")
+        if len(ids) >= self.config.max_model_len:
+            raise ValueError(f"prompt {index} has {len(ids)} tokens; max_model_len="
+                             f"{self.config.max_model_len} leaves no room to generate")
+        eos = () if sp.ignore_eos else self.model_cfg.eos_token_ids
+        seed = sp.seed if sp.seed is not None else default_seed(self.config.seed, request_id)
+        return Request(request_id=request_id, prompt_token_ids=ids, max_tokens=sp.max_tokens,
+                       stop_token_ids=frozenset(sp.stop_token_ids) | frozenset(eos),
+                       arrival_time=time.perf_counter(),
+                       knobs=GenKnobs(sp.temperature, sp.top_k, sp.top_p, seed, sp.logprobs))
+
+    def _embed(self, index: int, request_id: int, r: EmbedRequest) -> Request:
+        pp, model = r.params, self.embedding
+        ids = tokenize(index, r.input, model.tokenizer, model.vocab_size, "input")
+        if len(ids) > model.max_len:
+            if not pp.truncate:
+                raise ValueError(f"input {index} has {len(ids)} tokens > the embedding limit "
+                                 f"{model.max_len} (PoolingParams(truncate=True) keeps the "
+                                 "first ones)")
+            ids = ids[:model.max_len]
+        pooling = pp.pooling or model.pooling
+        normalize = model.normalize if pp.normalize is None else pp.normalize
+        if pooling == "buffered" and not (model.on_decoder and self.config.buffered_head):
+            raise ValueError(f"input {index}: pooling='buffered' needs "
+                             "EngineConfig(buffered_head=...) and the decoder as embedding model")
+        return Request(request_id=request_id, prompt_token_ids=ids, kind=EMBED,
+                       arrival_time=time.perf_counter(),
+                       knobs=EmbedKnobs(POOLING_KINDS.index(pooling), normalize,
+                                        self._adapter_id(index, pp.adapter)))
+
+    def _adapter_id(self, index: int, name: str | None) -> int:
+        """The adapter id of an embedding request: its named adapter, else the first one."""
+        if name is None:
+            return 1 if self.adapter_ids else 0
+        if name not in self.adapter_ids:
+            raise ValueError(f"input {index}: unknown adapter {name!r}; loaded: "
+                             f"{sorted(self.adapter_ids) or 'none'}")
+        return self.adapter_ids[name]
