@@ -16,7 +16,6 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from hetero_jax import Engine, EngineConfig
 from hetero_jax.sched import DECODE, PREFILL, GenKnobs, ScheduledItem

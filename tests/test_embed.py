@@ -86,12 +86,15 @@ def test_zero_compiles_after_warmup_with_embeddings():
 
 @pytest.mark.parametrize("x,kw,match", [
     ("", {}, "input 1 is empty"), ([], {}, "input 1 is empty"),
-    (list(range(300)), {}, r"input 1 has 300 tokens > the embedding limit 256")])
+    (list(range(300)), {}, r"input 1 has 300 tokens > the embedding limit 256"),
+    ([1, 2], dict(adapter="nope"), "input 1: unknown adapter 'nope'; loaded: none"),
+    ([1, 2], dict(pooling="buffered"), r"input 1: pooling='buffered' needs EngineConfig\(")])
 def test_bad_embedding_input(x, kw, match):
     engine = Engine.from_preset("tiny", config=config(16))
     with pytest.raises(ValueError, match=match):
         engine.run([GenerateRequest("fine", SamplingParams(max_tokens=2)),
                     EmbedRequest(x, PoolingParams(**kw))], use_tqdm=False)
+    assert not engine.has_work() and engine.stats.steps == 0, "a rejected batch started work"
     assert engine.embed(["still works"], use_tqdm=False).shape == (1, 256)
 
 

@@ -16,24 +16,35 @@ SENTENCES = ["The cat sat on the mat.", "Iterative retrieval alternates search a
              "on padding and sequences of very different lengths share one pool."]
 
 
-def test_mixed_run_with_separate_encoder(hf_model):
+@pytest.fixture(scope="module")
+def reference():
+    return st.SentenceTransformer(str(minilm.get_model_path()), device="cpu")
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "ibs"])
+def test_mixed_run_with_separate_encoder(hf_model, reference, policy):
+    """The encoder's requests share steps with the decoder's under either policy; results
+    equal sentence-transformers and the decoder alone."""
     path = minilm.get_model_path()
     gen_dir, _ = hf_model("mistral")
     cfg = EngineConfig(token_budget=32, chunk_size=16, max_num_seqs=8, max_model_len=256,
-                       token_buckets=(8, 32), page_buckets=(8, 32))
+                       token_buckets=(8, 32), page_buckets=(8, 32), scheduler=policy)
     engine = Engine.from_pretrained(gen_dir, config=cfg, embed_model=str(path))
     assert (engine.encoder.pooling, engine.encoder.normalize) == ("mean", True)
     greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     reqs = [GenerateRequest([5, 6, 7, 8], greedy)] + [EmbedRequest(s) for s in SENTENCES]
     outs = engine.run(reqs, use_tqdm=False)
-    want = st.SentenceTransformer(str(path), device="cpu").encode(SENTENCES)
+    want = reference.encode(SENTENCES)
     got = np.stack([o.embedding for o in outs[1:]])
     cos = np.sum(got * want, -1) / np.linalg.norm(got, axis=-1) / np.linalg.norm(want, axis=-1)
     assert cos.min() > 0.9999, cos
     alone = Engine.from_pretrained(gen_dir, config=cfg).generate([[5, 6, 7, 8]], greedy,
                                                                  use_tqdm=False)[0]
     assert outs[0].token_ids == alone.token_ids
-    cls = engine.embed(SENTENCES[:1], PoolingParams("cls", normalize=False), use_tqdm=False)
-    assert abs(np.linalg.norm(cls) - 1.0) > 1e-3, "explicit params override the model default"
+    # explicit params override the directory's mean + normalise: the raw first hidden state
+    cls = engine.embed(SENTENCES[:2], PoolingParams("cls", normalize=False), use_tqdm=False)
+    tokens = reference.encode(SENTENCES[:2], output_value="token_embeddings")
+    np.testing.assert_allclose(cls, np.stack([t[0].numpy() for t in tokens]), rtol=1e-4,
+                               atol=1e-5)
     with pytest.raises(ValueError, match="input 0 has 600 tokens > the embedding limit 512"):
         engine.embed([[100] * 600], use_tqdm=False)

@@ -8,7 +8,7 @@ import torch
 
 from hetero_jax import Engine, EngineConfig, SamplingParams
 from tests.hf_models import hf_logits
-from tests.test_models import full_logits
+from tests.model_runs import full_logits
 
 CFG = EngineConfig(token_budget=32, chunk_size=16, max_num_seqs=8, page_size=8,
                    max_model_len=256, token_buckets=(8, 32), page_buckets=(8, 32))

@@ -6,24 +6,10 @@ import numpy as np
 import pytest
 import torch
 
-from hetero_jax.models import layers, llama
+from hetero_jax.models import layers
 from hetero_jax.models.formats.hf_llama import load_hf_model
-from hetero_jax.ops import ragged_paged_attention
 from tests.hf_models import hf_logits
-
-
-def full_logits(cfg, params, ids, page_size=8):
-    """Run one sequence as a single prefill over fresh pages; [n] ids -> [n, V] logits."""
-    n = len(ids)
-    pages = -(-n // page_size)
-    kv = llama.KVCache.zeros(cfg, pages + 1, page_size, params["embed"].dtype)
-    pos = np.arange(n, dtype=np.int32)
-    meta = llama.AttnMeta(kv_lens=np.array([n], np.int32),
-                          page_indices=np.arange(1, pages + 1, dtype=np.int32)[None],
-                          cu_q_lens=np.array([0, n], np.int32), num_seqs=np.int32(1))
-    hidden, _ = llama.forward(params, cfg, jnp.asarray(ids, jnp.int32), pos, pos + page_size,
-                              kv, meta, ragged_paged_attention)
-    return np.asarray(llama.lm_logits(params, cfg, hidden))
+from tests.model_runs import full_logits
 
 
 @pytest.mark.parametrize("name", ["llama3", "mistral", "qwen2"])

@@ -8,8 +8,11 @@ from hetero_jax.sched import (DECODE, EMBED, GENERATE, PREFILL, RunnerOutput, Sc
 from tests.sched_fakes import config, drive, emb, expected_tokens, fake_runner, gen
 
 
-def test_scheduler_and_simulator_import_no_jax():
-    code = "import hetero_jax.sched, hetero_jax.sim, sys; assert 'jax' not in sys.modules"
+@pytest.mark.parametrize("modules", ["hetero_jax.sched, hetero_jax.sim",
+                                     "hetero_jax, hetero_jax.requests, hetero_jax.outputs, "
+                                     "hetero_jax.config"])
+def test_host_modules_and_user_types_import_no_jax(modules):
+    code = f"import sys, {modules}; assert 'jax' not in sys.modules, 'imported jax'"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -138,3 +141,84 @@ def test_bad_requests_are_refused():
     sched.add(emb(3, 16))
     with pytest.raises(AssertionError, match="already queued"):
         sched.add(emb(3, 4))
+
+
+def test_items_are_plain_snapshots_and_times_are_stamped_by_update():
+    """What crosses to the runner is data (no live Request); pooler slots come from the
+    scheduler and go back when the embedding ends; update() stamps first output and finish."""
+    sched = Scheduler(config(policy="fcfs", token_budget=32, chunk_size=8, max_num_seqs=2))
+    g, e = gen(0, 4, 2), emb(1, 12)
+    sched.add(g)
+    sched.add(e)
+    out = sched.schedule()
+    assert all(type(v) in (int, str, bool, tuple, type(None), type(it.knobs))
+               for it in out.items for v in vars(it).values()), "a live object crossed"
+    (ei, gi) = out.items
+    assert (ei.kind, ei.token_ids, ei.pool_slot, ei.ends) == (EMBED, tuple(e.prompt_token_ids[:8]),
+                                                             e.pool_slot, False)
+    assert (gi.kind, gi.token_ids, gi.pages) == (PREFILL, tuple(g.prompt_token_ids), tuple(g.pages))
+    assert sched.slots.num_free == 1 and g.pool_slot is None
+    sched.update(out, fake_runner(out), now=10.0)
+    assert g.first_token_time == 10.0 and e.first_token_time is None
+    out = sched.schedule()
+    assert out.items[0].pool_slot == ei.pool_slot, "the slot is held across chunks"
+    finished = sched.update(out, fake_runner(out), now=11.0)
+    assert {r.request_id for r in finished} == {0, 1} and sched.slots.num_free == 2
+    assert (g.first_token_time, g.finish_time) == (10.0, 11.0)
+    assert (e.first_token_time, e.finish_time, e.pool_slot) == (11.0, 11.0, None)
+
+
+def test_abort_returns_the_pooler_slot():
+    sched = Scheduler(config(policy="ibs", token_budget=8, chunk_size=8, max_num_seqs=1))
+    a, b = emb(0, 20), emb(1, 4)
+    sched.add(a)
+    sched.add(b)
+    out = sched.schedule()
+    assert [it.request_id for it in out.items] == [0] and sched.slots.num_free == 0
+    sched.update(out, fake_runner(out))
+    sched.abort(0)
+    assert sched.slots.num_free == 1 and a.pool_slot is None
+    drive(sched, {})
+    assert b.finish_reason == "embedded" and sched.slots.num_free == 1
+
+
+def encoder_config(**kw):
+    return config(encoder_max_seqs=2, token_budget=32, chunk_size=8, page_size=4, **kw)
+
+
+def test_encoder_items_run_whole_without_pages_or_slots():
+    sched = Scheduler(encoder_config(policy="fcfs"))
+    free0 = sched.pages.num_free
+    reqs = [emb(0, 12), emb(1, 5), emb(2, 3)]
+    trace = drive(sched, {0: reqs})
+    encoder = [[(it.request_id, it.start, it.num_tokens, it.ends) for it in out.encoder_items]
+               for _, out, _ in trace]
+    assert encoder == [[(0, 0, 12, True), (1, 0, 5, True)], [(2, 0, 3, True)]], "2 rows a step"
+    assert all(out.items == [] for _, out, _ in trace), "no decoder items"
+    assert all(r.finish_reason == "embedded" and r.embedding == ("vec", r.request_id)
+               for r in reqs)
+    assert sched.pages.num_free == free0 and sched.slots.num_free == sched.cfg.max_num_seqs
+
+
+def test_encoder_tokens_share_the_budget_and_an_oversize_input_runs_alone():
+    sched = Scheduler(encoder_config(policy="fcfs"))
+    g = gen(0, 16, 2)
+    sched.add(g)
+    out = sched.schedule()
+    sched.update(out, fake_runner(out))  # g decodes from now on
+    for req in [emb(1, 20), emb(2, 40)]:
+        sched.add(req)
+    out = sched.schedule()  # 1 decode + 20 fit the budget of 32; 40 more would not
+    assert [it.request_id for it in out.encoder_items] == [1] and len(out.items) == 1
+    sched.update(out, fake_runner(out))
+    out = sched.schedule()  # 40 > 32, but it is the first multi-token item: it runs, alone
+    assert [it.request_id for it in out.encoder_items] == [2] and out.num_tokens == 41
+    assert out.decoder_tokens <= 32
+
+
+def test_homogeneous_never_mixes_encoder_and_decoder_work():
+    sched = Scheduler(encoder_config(policy="homogeneous"))
+    trace = drive(sched, {0: [gen(0, 20, 4), emb(1, 8), emb(2, 8), gen(3, 4, 3), emb(4, 30)]})
+    for _, out, _ in trace:
+        assert not (out.items and out.encoder_items), "a step ran both models"
+    assert sum(len(out.encoder_items) for _, out, _ in trace) == 3

@@ -95,17 +95,35 @@ def test_homogeneous_steps_hold_one_type_and_alternate():
 
 
 def test_homogeneous_falls_back_when_the_preferred_type_cannot_run():
+    """After a generation step the embedding is preferred, but its 4 pages are not free while
+    the generation holds 2-3 of the 5: the generation's decodes run instead, and the
+    embedding runs once they have freed their pages."""
     sched = Scheduler(config(policy="homogeneous", token_budget=64, chunk_size=64, page_size=4,
-                             num_pages=9, max_num_seqs=2))
-    trace = drive(sched, {0: [emb(0, 16), emb(1, 16), gen(2, 8, 2)]})
-    for _, out, _ in trace:
-        assert len({it.kind == EMBED for it in out.items}) == 1, f"mixed step {layout(out)}"
-    assert all(r.finish_reason for r in sched.requests.values()) and not sched.requests
+                             num_pages=6))
+    trace = drive(sched, {0: [gen(0, 8, 2), emb(1, 16)]})
+    assert [layout(out) for _, out, _ in trace] == [
+        [(0, PREFILL, 0, 8)],  # no step yet: generation first
+        [(0, DECODE, 8, 1)],  # embedding preferred, blocked on pages: fallback
+        [(1, EMBED, 0, 16)],  # the generation finished and freed its pages
+    ]
+    assert [[r.request_id for r in fin] for _, _, fin in trace] == [[], [0], [1]]
+    roomy = Scheduler(config(policy="homogeneous", token_budget=64, chunk_size=64, page_size=4,
+                             num_pages=16))
+    trace = drive(roomy, {0: [gen(0, 8, 2), emb(1, 16)]})
+    assert [layout(out) for _, out, _ in trace] == [
+        [(0, PREFILL, 0, 8)], [(1, EMBED, 0, 16)], [(0, DECODE, 8, 1)]], "the preference"
 
 
-@pytest.mark.parametrize("name", ["dedicated", "round-robin"])
-def test_unknown_policies_are_refused(name):
-    with pytest.raises(ValueError, match="dedicated|unknown"):
-        make_policy(name)
-    with pytest.raises(ValueError):
-        Scheduler(config(policy=name))
+def test_dedicated_is_an_engine_mode_not_a_policy():
+    with pytest.raises(ValueError, match="'dedicated' is an engine mode"):
+        make_policy("dedicated")
+    with pytest.raises(ValueError, match="'dedicated' is an engine mode"):
+        Scheduler(config(policy="dedicated"))
+
+
+def test_unknown_policies_are_refused():
+    with pytest.raises(ValueError, match="unknown scheduler policy 'round-robin'; expected one "
+                                         "of ibs, fcfs, homogeneous"):
+        make_policy("round-robin")
+    with pytest.raises(ValueError, match="unknown scheduler policy 'round-robin'"):
+        Scheduler(config(policy="round-robin"))

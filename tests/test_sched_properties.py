@@ -11,8 +11,7 @@ import math
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hetero_jax.sched import DECODE, EMBED, GENERATE, POLICIES, Scheduler, Status
-from hetero_jax.sched.output import KIND_ORDER
+from hetero_jax.sched import DECODE, EMBED, GENERATE, KIND_ORDER, POLICIES, Scheduler, Status
 from tests.sched_fakes import config, drive, emb, expected_tokens, gen
 
 MAX_MODEL_LEN = 96
@@ -137,6 +136,3 @@ def test_ibs_never_starves_a_backlogged_queue(scenario):
                 assert run <= bound, f"{t} waited {run} > {bound} contested selections"
     assert all(r.finish_reason for r in requests)
 
-
-def test_kind_order_is_embed_prefill_decode():
-    assert sorted(KIND_ORDER, key=KIND_ORDER.get) == [EMBED, "prefill", DECODE]

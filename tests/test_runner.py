@@ -1,0 +1,72 @@
+"""The runner's host side: a scheduled step packed onto the token axis, and the step's one
+device->host array read back through `PackedLayout`."""
+import jax.numpy as jnp
+import numpy as np
+
+from hetero_jax import EngineConfig
+from hetero_jax.runner.batch import pack_batch
+from hetero_jax.runner.packed import PackedLayout
+from hetero_jax.sched import (
+    DECODE,
+    EMBED,
+    PREFILL,
+    EmbedKnobs,
+    GenKnobs,
+    Request,
+    RunnerOutput,
+    SampledToken,
+    Scheduler,
+    SchedulerConfig,
+)
+
+
+def test_packed_layout_hand_computed():
+    layout = PackedLayout(num_seqs=2, num_logprobs=1, num_chunk_seqs=1, dim=3)
+    rows = layout.sample_rows(jnp.array([5, 7]), jnp.array([-0.5, -1.5]),
+                              jnp.array([[5], [2]]), jnp.array([[-0.5], [-0.25]]))
+    packed = np.asarray(layout.pack(rows, jnp.array([[1.0, 2.0, 3.0]])))
+    assert packed.tolist() == [5, -0.5, 5, -0.5, 7, -1.5, 2, -0.25, 1, 2, 3]
+    assert layout.size == len(packed)
+    got_rows, vectors = layout.unpack(packed)
+    assert layout.sampled_token(got_rows[1]) == SampledToken(7, -1.5, (2,), (-0.25,))
+    assert vectors.tolist() == [[1.0, 2.0, 3.0]]
+
+
+def test_step_lies_embeddings_then_prefills_then_decodes_on_the_token_axis():
+    """The pooler reads the first rows of a step and the sampler one row per sequence: the
+    scheduler's order must put embedding chunks first, then prefill chunks, then decodes."""
+    cfg = EngineConfig(token_budget=64, chunk_size=16, max_num_seqs=8, page_size=4,
+                       max_model_len=64).resolve(64, 4)
+    sched = Scheduler(SchedulerConfig(token_budget=64, chunk_size=16, max_num_seqs=8,
+                                      page_size=4, num_pages=cfg.num_pages, max_model_len=64))
+    knobs = GenKnobs(temperature=0.5, top_k=3, top_p=0.9, seed=11, logprobs=None)
+    decoding = Request(0, [1, 2, 3, 4], 3, knobs=knobs)
+    sched.add(decoding)
+    out = sched.schedule()
+    sched.update(out, RunnerOutput({0: SampledToken(9, 0.0)}))
+    embed = Request(1, list(range(100, 120)), kind=EMBED, knobs=EmbedKnobs(2, True, 0))
+    prefill = Request(2, list(range(30, 40)), 2, knobs=knobs)
+    sched.add(embed)
+    sched.add(prefill)
+    out = sched.schedule()
+    assert [(it.request_id, it.kind) for it in out.items] == [(1, EMBED), (2, PREFILL),
+                                                             (0, DECODE)]
+    (t, s, sc, _), batch = pack_batch(out.items, cfg)
+    assert (t, s, sc) == (32, 8, 4)
+    assert batch.tokens[:27].tolist() == list(range(100, 116)) + list(range(30, 40)) + [9]
+    assert batch.positions[:27].tolist() == list(range(16)) + list(range(10)) + [4]
+    slot, dummy = embed.pool_slot, cfg.max_num_seqs
+    assert batch.pool.token_slot.tolist() == [slot] * 16 + [dummy] * (t - 16)
+    assert batch.pool.item_slot.tolist() == [slot] + [dummy] * 3
+    assert (batch.pool.kind[0], batch.pool.normalize[0], batch.pool.item_last_row[0]) == (
+        2, True, 15)
+    assert batch.sample_rows[:3].tolist() == [15, 25, 26]
+    assert batch.knobs.temperature[:3].tolist() == [0.0, 0.5, 0.5]
+    assert batch.knobs.step[:3].tolist() == [0, 0, 1], "the decode samples its second token"
+    assert batch.meta.cu_q_lens.tolist() == [0, 16, 26, 27] + [27] * 5
+    assert batch.meta.kv_lens[:3].tolist() == [16, 10, 5]
+    ps = cfg.page_size
+    for i, req in enumerate([embed, prefill, decoding]):  # the pages the step reads
+        used = -(-int(batch.meta.kv_lens[i]) // ps)
+        assert batch.meta.page_indices[i, :used].tolist() == req.pages[:used]
+    assert batch.slots[26] == decoding.pages[4 // ps] * ps + 4 % ps, "the decode's K/V slot"
