@@ -1,23 +1,31 @@
-"""A BERT-family encoder (Hugging Face `BertModel`) as a pure function of a params pytree.
+"""A BERT-family encoder (Hugging Face `BertModel`) as a Flax linen module over a params pytree.
 
 In: `token_ids [B, N]` right-padded and `lengths [B]`. Out: `last_hidden_state [B, N, d]`, with
 bidirectional attention over each row's first `lengths[b]` tokens, token type 0 everywhere and
-exact (erf) GELU, as transformers computes it. Layers are stacked on a leading axis and run by
-one `jax.lax.scan` body, or unrolled after `layers.split_layers` (faster on a CPU). Checkpoints
-are read by `formats.hf_bert`.
+exact (erf) GELU, as transformers computes it:
+
+    BertEncoder(cfg, unrolled=layers.is_unrolled(params)).apply({"params": params}, ids, lengths)
+
+or `encode(params, cfg, token_ids, lengths)`. The layers are one `BertBlock`, stacked on a
+leading axis and run by `nn.scan`, or the sibling blocks "0".."L-1" of an unrolled loop after
+`layers.split_layers` (faster on a CPU). Checkpoints are read by `formats.hf_bert`.
 
 Params pytree (weights stored as `[in, out]`):
   word_embed [V, d]; pos_embed [P, d]; type_embed [Tv, d]; embed_norm_w/embed_norm_b [d];
   layers: wq/wk/wv/wo [L, d, d], bq/bk/bv/bo [L, d], attn_norm_w/attn_norm_b [L, d],
-          w_in [L, d, F], b_in [L, F], w_out [L, F, d], b_out [L, d], mlp_norm_w/mlp_norm_b [L, d].
+          w_in [L, d, F], b_in [L, F], w_out [L, F, d], b_out [L, d], mlp_norm_w/mlp_norm_b [L, d];
+  or, unrolled, layers: {"0": {wq [d, d], ...}, "1": {...}, ...}.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
+
+from hetero_jax.models.layers import is_unrolled
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +69,17 @@ def layer_norm(x, weight, bias, eps):
     return (y * weight.astype(jnp.float32) + bias.astype(jnp.float32)).astype(x.dtype)
 
 
+def _init(name: str):
+    """A param's initializer by name: norm scales at one, biases (bq.., b_in, b_out, *_b) at
+    zero, other weights normal(0.02). `BertEncoder.init` draws with it; `apply` only checks
+    the params' shapes against it."""
+    if name.endswith("norm_w"):
+        return nn.initializers.ones
+    if name.startswith("b") or name.endswith("_b"):
+        return nn.initializers.zeros
+    return nn.initializers.normal(0.02)
+
+
 def _attention(cfg: BertConfig, lp, x, key_bias):
     """x [B, N, d], key_bias [B, 1, 1, N] (0 or a large negative) -> [B, N, d]."""
     b, n, _ = x.shape
@@ -73,31 +92,70 @@ def _attention(cfg: BertConfig, lp, x, key_bias):
     return o.reshape(b, n, cfg.hidden_size) @ lp["wo"] + lp["bo"]
 
 
-def encode(params, cfg: BertConfig, token_ids, lengths):
-    """token_ids [B, N] int32, lengths [B] int32 -> last_hidden_state [B, N, d].
+class BertBlock(nn.Module):
+    """One encoder layer: h [B, N, d], key_bias [B, 1, 1, N] -> (h [B, N, d], None).
 
-    Keys past a row's length are masked out; rows of length 0 (batch padding) stay finite.
-    `params["layers"]` is the stacked dict (one `lax.scan` body) or a tuple from
-    `layers.split_layers` (the same body unrolled).
+    Params are the `layers` shapes of `param_shapes` without the layer axis.
     """
-    n = token_ids.shape[1]
-    assert n <= cfg.max_position_embeddings, f"{n=} exceeds {cfg.max_position_embeddings=}"
-    h = (params["word_embed"][token_ids] + params["pos_embed"][:n][None]
-         + params["type_embed"][0][None, None])
-    h = layer_norm(h, params["embed_norm_w"], params["embed_norm_b"], cfg.layer_norm_eps)
-    valid = jnp.arange(n)[None, :] < lengths[:, None]  # [B, N]
-    key_bias = jnp.where(valid, 0.0, jnp.finfo(jnp.float32).min)[:, None, None, :]
 
-    def block(h, lp):
-        eps = cfg.layer_norm_eps
+    cfg: BertConfig
+
+    @nn.compact
+    def __call__(self, h, key_bias):
+        cfg, eps = self.cfg, self.cfg.layer_norm_eps
+        lp = {name: self.param(name, _init(name), shape[1:])
+              for name, shape in param_shapes(cfg)["layers"].items()}
         h = layer_norm(h + _attention(cfg, lp, h, key_bias), lp["attn_norm_w"],
                        lp["attn_norm_b"], eps)
         mlp = jax.nn.gelu(h @ lp["w_in"] + lp["b_in"], approximate=False) @ lp["w_out"]
         return layer_norm(h + mlp + lp["b_out"], lp["mlp_norm_w"], lp["mlp_norm_b"], eps), None
 
-    if isinstance(params["layers"], tuple):
-        for lp in params["layers"]:
-            h, _ = block(h, lp)
-    else:
-        h, _ = jax.lax.scan(block, h, params["layers"])
-    return h
+
+class UnrolledBertBlocks(nn.Module):
+    """Blocks "0".."L-1" run by a Python loop: h [B, N, d], key_bias -> h [B, N, d]."""
+
+    cfg: BertConfig
+
+    @nn.compact
+    def __call__(self, h, key_bias):
+        for layer in range(self.cfg.num_layers):
+            h, _ = BertBlock(self.cfg, name=str(layer))(h, key_bias)
+        return h
+
+
+class BertEncoder(nn.Module):
+    """Embeddings, then the layers: token_ids [B, N], lengths [B] -> last_hidden_state [B, N, d].
+
+    `unrolled` must match the params layout (`layers.is_unrolled`).
+    """
+
+    cfg: BertConfig
+    unrolled: bool = False
+
+    @nn.compact
+    def __call__(self, token_ids, lengths):
+        cfg, n = self.cfg, token_ids.shape[1]
+        assert n <= cfg.max_position_embeddings, f"{n=} exceeds {cfg.max_position_embeddings=}"
+        top = {name: self.param(name, _init(name), shape)
+               for name, shape in param_shapes(cfg).items() if name != "layers"}
+        h = (top["word_embed"][token_ids] + top["pos_embed"][:n][None]
+             + top["type_embed"][0][None, None])
+        h = layer_norm(h, top["embed_norm_w"], top["embed_norm_b"], cfg.layer_norm_eps)
+        valid = jnp.arange(n)[None, :] < lengths[:, None]  # [B, N]
+        key_bias = jnp.where(valid, 0.0, jnp.finfo(jnp.float32).min)[:, None, None, :]
+        if self.unrolled:
+            return UnrolledBertBlocks(cfg, name="layers")(h, key_bias)
+        scanned = nn.scan(BertBlock, variable_axes={"params": 0}, split_rngs={"params": True},
+                          in_axes=nn.broadcast, length=cfg.num_layers)
+        h, _ = scanned(cfg, name="layers")(h, key_bias)
+        return h
+
+
+def encode(params, cfg: BertConfig, token_ids, lengths):
+    """token_ids [B, N] int32, lengths [B] int32 -> last_hidden_state [B, N, d].
+
+    Keys past a row's length are masked out; rows of length 0 (batch padding) stay finite.
+    `params["layers"]` is stacked or from `layers.split_layers`.
+    """
+    model = BertEncoder(cfg, unrolled=is_unrolled(params))
+    return model.apply({"params": params}, token_ids, lengths)

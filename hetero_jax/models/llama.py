@@ -1,29 +1,40 @@
-"""The Llama family (Llama 2/3/3.1, Mistral, Qwen2) as a pure function of a params pytree.
+"""The Llama family (Llama 2/3/3.1, Mistral, Qwen2) as a Flax linen module over a params pytree.
 
 In: a flat token axis `tokens [T]` with `positions [T]` and KV `slots [T]` (page * page_size +
 offset, where the token's K/V is written), the paged KV cache, and the attention metadata of
-the step. Out: final-norm hidden states `[T, d]` and the updated cache. Layers are stacked on a
-leading axis and run by one `jax.lax.scan` body, so compile time does not grow with depth
-(or, after `layers.split_layers`, by the same body unrolled: faster on a CPU, see there).
+the step. Out: final-norm hidden states `[T, d]` and the updated cache (an explicit argument and
+result, never a flax variable: the runner donates it). `LlamaModel.logits` is the LM head.
+
+    model = LlamaModel(cfg, attn_fn, unrolled=is_unrolled(params))
+    hidden, kv = model.apply({"params": params}, tokens, positions, slots, kv, meta, adapter_ids)
+    logits = model.apply({"params": params}, hidden, method=LlamaModel.logits)
+
+The layers are one `Block`, either stacked on a leading axis and run by `nn.scan` (compile time
+flat in depth) or, after `split_layers`, as the sibling blocks "0".."L-1" of an unrolled loop
+(faster on a CPU, see `layers.split_layers`). `forward` and `lm_logits` are the same as plain functions.
 
 Params pytree (weights stored as `[in, out]`):
   embed [V, d]; final_norm [d]; lm_head [d, V] unless tied;
   layers: attn_norm [L, d], wq [L, d, Hq*D], wk/wv [L, d, Hkv*D], wo [L, Hq*D, d],
           bq/bk/bv [L, H*D] (Qwen2 only), mlp_norm [L, d], w_gate/w_up [L, d, F], w_down [L, F, d],
           and with LoRA adapters (see lora.py) lora_a_<w> [L, A, in, r], lora_b_<w> [L, A, r, out]
-          for each adapted projection <w>.
+          for each adapted projection <w>;
+  or, unrolled, layers: {"0": {attn_norm [d], wq [d, Hq*D], ...}, "1": {...}, ...}.
 """
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
+import flax.linen as nn
 import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from hetero_jax.models.config import ModelConfig
-from hetero_jax.models.lora import lora_delta
+from hetero_jax.models.layers import is_unrolled
+from hetero_jax.models.lora import lora_delta, projection_dims
 
 
 @flax.struct.dataclass
@@ -116,6 +127,14 @@ def rms_norm(x, weight, eps):
     return weight * x32.astype(x.dtype)
 
 
+def _init(name: str):
+    """A param's initializer by name, as in `init_params`: norms at one, others normal(0.02).
+
+    `LlamaModel.init` draws with it; `apply` only checks the params' shapes against it.
+    """
+    return nn.initializers.ones if name.endswith("norm") else nn.initializers.normal(0.02)
+
+
 def _linear(lp, name, x, adapter_ids):
     """x [T, in] @ lp[name] [in, out], plus each token's LoRA delta where the layer has one."""
     y = x @ lp[name]
@@ -134,49 +153,128 @@ def _qkv(cfg, lp, x, adapter_ids=None):
             v.reshape(t, cfg.num_kv_heads, cfg.head_dim))
 
 
-def forward(params, cfg: ModelConfig, tokens, positions, slots, kv: KVCache, meta: AttnMeta,
-            attn_fn, adapter_ids=None):
-    """tokens/positions/slots [T] -> hidden [T, d] after the final norm, updated KVCache.
+@flax.struct.dataclass
+class LayerInputs:
+    """What every layer of a step reads besides its weights (the same for all layers)."""
 
-    `attn_fn(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs)` is a
-    ragged paged attention with its static hints bound. `params["layers"]` is either the
-    stacked dict (one `lax.scan` body) or a tuple from `layers.split_layers` (the same body
-    unrolled).
-    `adapter_ids [T]` int32 picks each token's LoRA adapter (0 = base; k = stacked index k-1);
-    None runs every token on the base weights.
+    cos: jax.Array  # [T, 1, D]
+    sin: jax.Array  # [T, 1, D]
+    page: jax.Array  # [T] int32: the page of each token's K/V slot
+    offset: jax.Array  # [T] int32: its offset within that page
+    meta: AttnMeta
+    adapter_ids: jax.Array | None  # [T] int32, or None: every token on the base weights
+
+
+class Block(nn.Module):
+    """One decoder layer: ((h [T, d], k_cache, v_cache), layer index, inputs) -> (same, None).
+
+    k_cache/v_cache [L, P, page_size, Hkv, D]: the layer writes its tokens' K/V at
+    `[layer, page, offset]` and attends over `[layer]`.
+
+    Params are `layer_shapes` without the layer axis, plus the `lora_a_<w>` [A, in, r] /
+    `lora_b_<w>` [A, r, out] leaves where the params carry them (never created here).
     """
-    page_size = kv.k.shape[2]
-    page, offset = slots // page_size, slots % page_size
-    cos, sin = rope_tables(cfg, positions)
 
-    def block(carry, xs):
-        h, k_cache, v_cache = carry
-        lp, layer = xs
-        x = rms_norm(h, lp["attn_norm"], cfg.rms_norm_eps)
-        q, k, v = _qkv(cfg, lp, x, adapter_ids)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        k_cache = k_cache.at[layer, page, offset].set(k.astype(k_cache.dtype))
-        v_cache = v_cache.at[layer, page, offset].set(v.astype(v_cache.dtype))
-        o = attn_fn(q, k_cache[layer], v_cache[layer], meta.kv_lens, meta.page_indices,
-                    meta.cu_q_lens, meta.num_seqs)
-        h = h + _linear(lp, "wo", o.reshape(h.shape[0], -1).astype(h.dtype), adapter_ids)
-        x = rms_norm(h, lp["mlp_norm"], cfg.rms_norm_eps)
-        gate, up = _linear(lp, "w_gate", x, adapter_ids), _linear(lp, "w_up", x, adapter_ids)
-        gated = jax.nn.silu(gate) * up
-        h = h + _linear(lp, "w_down", gated, adapter_ids)
+    cfg: ModelConfig
+    attn_fn: Callable
+
+    def _weights(self) -> dict:
+        """This layer's params by name; LoRA leaves only where the params have them."""
+        lp = {name: self.param(name, _init(name), shape[1:])
+              for name, shape in layer_shapes(self.cfg).items()}
+        lora = (f"lora_{half}_{w}" for w in projection_dims(self.cfg) for half in "ab")
+        lp.update({n: self.get_variable("params", n) for n in lora
+                   if self.has_variable("params", n)})
+        return lp
+
+    @nn.compact
+    def __call__(self, carry, layer, x: LayerInputs):
+        cfg, (h, k_cache, v_cache), ids = self.cfg, carry, x.adapter_ids
+        lp = self._weights()
+        y = rms_norm(h, lp["attn_norm"], cfg.rms_norm_eps)
+        q, k, v = _qkv(cfg, lp, y, ids)
+        q, k = apply_rope(q, x.cos, x.sin), apply_rope(k, x.cos, x.sin)
+        k_cache = k_cache.at[layer, x.page, x.offset].set(k.astype(k_cache.dtype))
+        v_cache = v_cache.at[layer, x.page, x.offset].set(v.astype(v_cache.dtype))
+        o = self.attn_fn(q, k_cache[layer], v_cache[layer], x.meta.kv_lens,
+                         x.meta.page_indices, x.meta.cu_q_lens, x.meta.num_seqs)
+        h = h + _linear(lp, "wo", o.reshape(h.shape[0], -1).astype(h.dtype), ids)
+        y = rms_norm(h, lp["mlp_norm"], cfg.rms_norm_eps)
+        gate, up = _linear(lp, "w_gate", y, ids), _linear(lp, "w_up", y, ids)
+        h = h + _linear(lp, "w_down", jax.nn.silu(gate) * up, ids)
         return (h, k_cache, v_cache), None
 
-    carry = (params["embed"][tokens], kv.k, kv.v)  # h [T, d]
-    if isinstance(params["layers"], tuple):
-        for layer, lp in enumerate(params["layers"]):
-            carry, _ = block(carry, (lp, layer))
-    else:
-        carry, _ = jax.lax.scan(block, carry, (params["layers"], jnp.arange(cfg.num_layers)))
-    h, k, v = carry
-    return rms_norm(h, params["final_norm"], cfg.rms_norm_eps), KVCache(k, v)
+
+# Stacked layers: one Block body, its params sliced along axis 0 by `lax.scan`.
+ScannedBlocks = nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True},
+                        in_axes=(0, nn.broadcast))
+
+
+class UnrolledBlocks(nn.Module):
+    """Blocks "0".."L-1" run by a Python loop: (h, k_cache, v_cache), inputs -> the same."""
+
+    cfg: ModelConfig
+    attn_fn: Callable
+
+    @nn.compact
+    def __call__(self, carry, x: LayerInputs):
+        for layer in range(self.cfg.num_layers):
+            carry, _ = Block(self.cfg, self.attn_fn, name=str(layer))(carry, layer, x)
+        return carry
+
+
+class LlamaModel(nn.Module):
+    """The decoder (`__call__`) and its LM head (`logits`) over the params pytree above.
+
+    `attn_fn(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs)` is a ragged
+    paged attention with its static hints bound (None when only `logits` runs); `unrolled`
+    must match the params layout (`is_unrolled`).
+    """
+
+    cfg: ModelConfig
+    attn_fn: Callable | None = None
+    unrolled: bool = False
+
+    def setup(self):
+        shapes = param_shapes(self.cfg)
+        self.embed = self.param("embed", _init("embed"), shapes["embed"])
+        self.final_norm = self.param("final_norm", _init("final_norm"), shapes["final_norm"])
+        if not self.cfg.tie_word_embeddings:
+            self.lm_head = self.param("lm_head", _init("lm_head"), shapes["lm_head"])
+        blocks = UnrolledBlocks if self.unrolled else ScannedBlocks
+        self.layers = blocks(self.cfg, self.attn_fn)
+
+    def __call__(self, tokens, positions, slots, kv: KVCache, meta: AttnMeta, adapter_ids=None):
+        """tokens/positions/slots [T] -> hidden [T, d] after the final norm, updated KVCache.
+
+        `adapter_ids [T]` int32 picks each token's LoRA adapter (0 = base; k = stacked index
+        k-1); None runs every token on the base weights.
+        """
+        page_size = kv.k.shape[2]
+        page, offset = slots // page_size, slots % page_size
+        cos, sin = rope_tables(self.cfg, positions)
+        x = LayerInputs(cos, sin, page, offset, meta, adapter_ids)
+        carry = (self.embed[tokens], kv.k, kv.v)  # h [T, d]
+        if self.unrolled:
+            carry = self.layers(carry, x)
+        else:
+            carry, _ = self.layers(carry, jnp.arange(self.cfg.num_layers), x)
+        h, k, v = carry
+        return rms_norm(h, self.final_norm, self.cfg.rms_norm_eps), KVCache(k, v)
+
+    def logits(self, hidden):
+        """hidden [N, d] -> fp32 logits [N, V]."""
+        head = self.embed.T if self.cfg.tie_word_embeddings else self.lm_head
+        return jnp.dot(hidden, head, preferred_element_type=jnp.float32)
+
+
+def forward(params, cfg: ModelConfig, tokens, positions, slots, kv: KVCache, meta: AttnMeta,
+            attn_fn, adapter_ids=None):
+    """`LlamaModel.__call__` as a function of the params (stacked or `split_layers`)."""
+    model = LlamaModel(cfg, attn_fn, unrolled=is_unrolled(params))
+    return model.apply({"params": params}, tokens, positions, slots, kv, meta, adapter_ids)
 
 
 def lm_logits(params, cfg: ModelConfig, hidden):
-    """hidden [N, d] -> fp32 logits [N, V]."""
-    head = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
-    return jnp.dot(hidden, head, preferred_element_type=jnp.float32)
+    """hidden [N, d] -> fp32 logits [N, V] (`LlamaModel.logits`)."""
+    return LlamaModel(cfg).apply({"params": params}, hidden, method=LlamaModel.logits)

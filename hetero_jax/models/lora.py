@@ -5,7 +5,7 @@ In: `LoraAdapter`s (read from PEFT directories by `formats.peft.load_adapter`, w
 `lora_a_<w> [L, A, in, r_max]` and `lora_b_<w> [L, A, r_max, out]` per targeted projection
 `<w>` (`wq`, `wk`, `wv`, `wo`, `w_gate`, `w_up`, `w_down`), scale folded into B, smaller ranks
 and untargeted modules zero-padded; `merge_lora_layers` puts it into `params["layers"]`.
-Out: `llama.forward(..., adapter_ids [T])` adds `lora_delta` to every projection whose
+Out: `llama.LlamaModel` with `adapter_ids [T]` adds `lora_delta` to every projection whose
 `lora_a_<w>` is in the layer params. Adapter id 0 is the base model; id k > 0 is stacked index
 k - 1, so the ids are per-token data and a new adapter mix never recompiles.
 """
@@ -63,7 +63,7 @@ def stack_adapters(adapters: list, cfg: ModelConfig, dtype) -> dict:
 
 def merge_lora_layers(layers_params: dict, stacked: dict) -> dict:
     """Stacked layer params `[L, ...]` with the adapters' `[L, A, ...]` leaves added alongside."""
-    assert isinstance(layers_params, dict), "merge into stacked layers, before split_layers"
+    assert "0" not in layers_params, "merge into stacked layers, before split_layers"
     clash = sorted(set(layers_params) & set(stacked))
     assert not clash, f"{clash=}: the layers already carry adapters"
     return {**layers_params, **stacked}

@@ -25,7 +25,7 @@ import numpy as np
 from hetero_jax.config import EngineConfig
 from hetero_jax.models import llama
 from hetero_jax.models.config import ModelConfig
-from hetero_jax.models.layers import for_layer_loop
+from hetero_jax.models.layers import for_layer_loop, is_unrolled
 from hetero_jax.ops import ragged_paged_attention
 from hetero_jax.runner import pooler
 from hetero_jax.runner.batch import StepBatch, batch_spec, pack_batch
@@ -51,9 +51,11 @@ def step(params, state: DeviceState, batch: StepBatch, *, model_cfg: ModelConfig
     """
     attn_fn = functools.partial(ragged_paged_attention, impl=impl, max_q_len=max_q_len,
                                 num_multi_query_seqs=layout.num_chunk_seqs, interpret=interpret)
-    hidden, kv = llama.forward(params, model_cfg, batch.tokens, batch.positions, batch.slots,
-                               state.kv, batch.meta, attn_fn, batch.adapter_ids)
-    logits = llama.lm_logits(params, model_cfg, hidden[batch.sample_rows])  # [S, V]
+    model = llama.LlamaModel(model_cfg, attn_fn, unrolled=is_unrolled(params))
+    hidden, kv = model.apply({"params": params}, batch.tokens, batch.positions, batch.slots,
+                             state.kv, batch.meta, batch.adapter_ids)  # [T, d]
+    logits = model.apply({"params": params}, hidden[batch.sample_rows],
+                         method=llama.LlamaModel.logits)  # [S, V]
     rows = sample(logits, batch.knobs, layout.num_logprobs)  # [S, 2 + 2K]
     pool, vectors = state.pool, None
     if layout.num_chunk_seqs:

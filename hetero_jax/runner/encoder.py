@@ -27,7 +27,7 @@ import numpy as np
 
 from hetero_jax.config import pad_to_bucket
 from hetero_jax.models import bert
-from hetero_jax.models.layers import for_layer_loop
+from hetero_jax.models.layers import for_layer_loop, is_unrolled
 from hetero_jax.requests import POOLING_KINDS, STREAMING_KINDS
 from hetero_jax.runner.executables import ExecutableCache
 from hetero_jax.runner.pooler import select_and_normalize
@@ -58,7 +58,8 @@ def pool(hidden, lengths, pooling, normalize):
 
 def embed_step(params, batch: EncodeBatch, *, cfg: bert.BertConfig):
     """One encoder pass and its pooling: -> fp32 [B, d]."""
-    hidden = bert.encode(params, cfg, batch.token_ids, batch.lengths)
+    model = bert.BertEncoder(cfg, unrolled=is_unrolled(params))
+    hidden = model.apply({"params": params}, batch.token_ids, batch.lengths)  # [B, N, d]
     return pool(hidden, batch.lengths, batch.pooling, batch.normalize)
 
 
