@@ -8,11 +8,11 @@ import sys
 
 import pytest
 
-from hetero_jax.sched import (DECODE, EMBED, GENERATE, PREFILL, Request, ScheduledItem,
-                              SchedulerConfig, SchedulerOutput)
+from hetero_jax.sched import (DECODE, EMBED, GENERATE, PREFILL, ScheduledItem, SchedulerConfig,
+                              SchedulerOutput)
 from hetero_jax.sim import (HARDWARE, Hardware, LengthDist, LinearCostModel, ModelSpec,
                             RooflineCostModel, SimConfig, Simulation, StepShape, WorkloadConfig,
-                            load_cost_model, percentile, request_specs, simulate)
+                            format_table, load_cost_model, percentile, request_specs, simulate)
 from hetero_jax.sim.cli import sim_main
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -109,6 +109,17 @@ def test_percentile():
     assert percentile([], 50) is None
     assert percentile([3.0], 99) == 3.0
     assert percentile([1, 2, 3, 4], 50) == 2.5
+    assert percentile([4, 1, 3, 2], 90) == pytest.approx(3.7)
+
+
+def test_format_table_aligns_text_left_numbers_right_and_dashes_missing_values():
+    rows = [dict(name="ibs", rate=1.234, n=7), dict(name="homogeneous", rate=None)]
+    columns = [("name", "name", "{}"), ("rate/s", "rate", "{:.1f}"), ("n", "n", "{}")]
+    assert format_table(rows, columns).splitlines() == [
+        "name         rate/s  n",
+        "----------------------",
+        "ibs             1.2  7",
+        "homogeneous       -  -"]
 
 
 def small_sim(policy="ibs", **wl):

@@ -6,10 +6,11 @@ more replicas behind a least-remaining-tokens router. `sim_main(argv)` in `cli.p
 """
 from hetero_jax.sim.costmodel import (HARDWARE, MODELS, Hardware, LinearCostModel, ModelSpec,
                                       RooflineCostModel, StepShape, load_cost_model)
-from hetero_jax.sim.simulate import SimConfig, SimResult, Simulation, percentile, simulate
+from hetero_jax.sim.report import format_table, percentile
+from hetero_jax.sim.simulate import SimConfig, SimResult, Simulation, simulate
 from hetero_jax.sim.workload import LengthDist, RequestSpec, WorkloadConfig, request_specs
 
 __all__ = ["HARDWARE", "MODELS", "Hardware", "LinearCostModel", "ModelSpec",
            "RooflineCostModel", "StepShape", "load_cost_model", "SimConfig", "SimResult",
-           "Simulation", "percentile", "simulate", "LengthDist", "RequestSpec",
+           "Simulation", "format_table", "percentile", "simulate", "LengthDist", "RequestSpec",
            "WorkloadConfig", "request_specs"]

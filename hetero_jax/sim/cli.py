@@ -15,12 +15,14 @@ import json
 
 from hetero_jax.sched import EMBED, GENERATE, POLICIES, SchedulerConfig
 from hetero_jax.sim.costmodel import HARDWARE, MODELS, load_cost_model
+from hetero_jax.sim.report import format_table
 from hetero_jax.sim.simulate import SimConfig, simulate
 from hetero_jax.sim.workload import ARRIVALS, ORDERS, LengthDist, WorkloadConfig
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="hetero-jax sim", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="hetero-jax sim", description="Run scheduling "
+                                "policies against a cost model and print what they give.")
     p.add_argument("--policy", default="ibs",
                    help=f"comma-separated policies, or 'all' ({', '.join(POLICIES)}, and "
                    "dedicated when --replicas >= 2)")
@@ -81,26 +83,31 @@ def _configs(args) -> tuple:
         for name in policies]
 
 
-def _ms(x) -> str:
-    return "-" if x is None else f"{1e3 * x:.1f}"
+# (header, row key, format): latencies in milliseconds
+COLUMNS = [
+    ("policy", "policy", "{}"), ("gen req/s", "gen_rps", "{:.2f}"),
+    ("gen tok/s", "gen_tps", "{:.0f}"), ("emb req/s", "emb_rps", "{:.2f}"),
+    ("gen p50 ms", "gen_p50", "{:.1f}"), ("gen p99 ms", "gen_p99", "{:.1f}"),
+    ("TTFT p50 ms", "ttft_p50", "{:.1f}"), ("TTFT p99 ms", "ttft_p99", "{:.1f}"),
+    ("emb p50 ms", "emb_p50", "{:.1f}"), ("emb p99 ms", "emb_p99", "{:.1f}"),
+    ("fill", "fill", "{:.0%}"), ("emb tokens", "emb_share", "{:.1%}"),
+    ("steps", "steps", "{}"), ("preempted", "preemptions", "{}"),
+]
 
 
-def format_table(results: dict) -> str:
-    head = (f"{'policy':12s} {'gen req/s':>9s} {'gen tok/s':>9s} {'emb req/s':>9s} "
-            f"{'gen p50/p99 ms':>16s} {'gen ttft p50/p99':>17s} {'emb p50/p99 ms':>16s} "
-            f"{'fill':>5s} {'emb%':>5s} {'steps':>6s} {'preempt':>7s}")
-    rows = [head]
-    for name, r in results.items():
-        g, e = r.per_type[GENERATE], r.per_type[EMBED]
-        rows.append(
-            f"{name:12s} {g['throughput_rps']:9.2f} {g['tokens_per_s']:9.0f} "
-            f"{e['throughput_rps']:9.2f} "
-            f"{_ms(g['latency_p50_s']) + '/' + _ms(g['latency_p99_s']):>16s} "
-            f"{_ms(g['ttft_p50_s']) + '/' + _ms(g['ttft_p99_s']):>17s} "
-            f"{_ms(e['latency_p50_s']) + '/' + _ms(e['latency_p99_s']):>16s} "
-            f"{r.avg_budget_fill:5.2f} {100 * r.embed_token_share:5.1f} {r.steps:6d} "
-            f"{r.preemptions:7d}")
-    return "\n".join(rows)
+def _ms(x):
+    return None if x is None else 1e3 * x
+
+
+def table_row(name: str, r) -> dict:
+    """A `SimResult` as one row of `COLUMNS`."""
+    g, e = r.per_type[GENERATE], r.per_type[EMBED]
+    return dict(policy=name, gen_rps=g["throughput_rps"], gen_tps=g["tokens_per_s"],
+                emb_rps=e["throughput_rps"], gen_p50=_ms(g["latency_p50_s"]),
+                gen_p99=_ms(g["latency_p99_s"]), ttft_p50=_ms(g["ttft_p50_s"]),
+                ttft_p99=_ms(g["ttft_p99_s"]), emb_p50=_ms(e["latency_p50_s"]),
+                emb_p99=_ms(e["latency_p99_s"]), fill=r.avg_budget_fill,
+                emb_share=r.embed_token_share, steps=r.steps, preemptions=r.preemptions)
 
 
 def sim_main(argv=None) -> dict:
@@ -114,7 +121,9 @@ def sim_main(argv=None) -> dict:
     results = {name: simulate(cfg, cost) for name, cfg in zip(policies, configs)}
     print(f"cost model: {cost.describe()}; {args.requests} requests, {args.arrival} arrivals, "
           f"{args.replicas} replica(s), budget {args.budget}, chunk {args.chunk}")
-    print(format_table(results))
+    print(format_table([table_row(n, r) for n, r in results.items()], COLUMNS))
+    print("latencies from arrival; TTFT: to the first generated token; fill: scheduled tokens /\n"
+          "token budget, mean over steps; emb tokens: the embeddings' share of scheduled tokens")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"config": vars(args), "results": {n: r.to_dict() for n, r in results.items()}},

@@ -21,6 +21,7 @@ import itertools
 from hetero_jax.sched import (EMBED, GENERATE, Request, RunnerOutput, SampledToken, Scheduler,
                               SchedulerConfig)
 from hetero_jax.sim.costmodel import StepShape
+from hetero_jax.sim.report import percentile
 from hetero_jax.sim.workload import WorkloadConfig, arrival_times, request_specs
 
 
@@ -47,17 +48,6 @@ class _Totals:
     fill: float = 0.0
     busy_s: float = 0.0
     preemptions: int = 0
-
-
-def percentile(xs: list, q: float) -> float | None:
-    """Linear-interpolated q-th percentile (0..100) of xs; None when xs is empty."""
-    if not xs:
-        return None
-    xs = sorted(xs)
-    pos = (len(xs) - 1) * q / 100
-    lo = int(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
 class Simulation:
