@@ -1,10 +1,10 @@
 """The bench's mixed workload on transformers (PyTorch CPU), on the same weights as the engine.
 
 Exports the preset's weights to a Hugging Face Llama directory (`config.json` +
-`model.safetensors`, `hetero_jax.models.loading.export_hf_model`), or takes `--model DIR`,
+`model.safetensors`, `models.formats.hf_llama.export_hf_model`), or takes `--model DIR`,
 then serves the same request lists as `hetero-jax bench` (same seed, ratios and lengths) with
 the same closed-loop clients over static batches: batched mean pooling of `last_hidden_state`
-for embeddings, batched greedy `generate` for generations (`hetero_jax.hf_baseline`;
+for embeddings, batched greedy `generate` for generations (`hetero_jax.bench.hf_baseline`;
 `--clients 0`: offline, every request at once). Prints requests/s per ratio; `--check`
 first confirms that transformers and hetero-jax pick the same greedy tokens on these weights.
 `hetero-jax bench --baseline hf` runs the same thing and adds the rows to its table.
@@ -17,10 +17,11 @@ import argparse
 import json
 import tempfile
 
-from hetero_jax.bench.cli import int_in, parse_ratios
-from hetero_jax.bench.workloads import MixedWorkload
-from hetero_jax.bench.report import format_table
+from hetero_jax.bench.config import int_in, parse_ratios
 from hetero_jax.bench.hf_baseline import export_preset, generate_batch, hf_rows, load_model
+from hetero_jax.bench.report import COLUMNS
+from hetero_jax.bench.workloads import MixedWorkload
+from hetero_jax.sim.report import format_table
 
 
 def check_same_tokens(model, model_dir: str, max_tokens: int = 16) -> None:
@@ -73,7 +74,7 @@ def main(argv=None) -> None:
                  for e, g in args.ratios]
         clients = args.clients or max(len(reqs) for _, reqs in lists)
         rows = hf_rows(model, lists, clients, args.gen_batch, args.embed_batch)
-    print(format_table(rows))
+    print(format_table(rows, COLUMNS))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(config=vars(args), results=rows), f, indent=1, default=str)

@@ -1,5 +1,5 @@
 """`hetero-jax bench`: a quick run of every scheduler, its JSON and plot, bad flags, HF export."""
-import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from hetero_jax import Engine, EngineConfig, SamplingParams
-from hetero_jax.bench import cli as bench
 from hetero_jax.bench.cli import median_run, serve_all
+from hetero_jax.bench.config import SCHEDULERS, parse_config
 from hetero_jax.cli import main
 from hetero_jax.bench.hf_baseline import export_preset
 from hetero_jax.models import llama
@@ -19,7 +19,6 @@ from hetero_jax.models.formats.hf_llama import load_hf_model
 
 REQUIRED = {"scheduler", "ratio", "requests_per_s", "embed_requests_per_s", "gen_requests_per_s",
             "p99_latency_s"}
-SCHEDULERS = list(bench.SCHEDULERS)
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +39,7 @@ def test_quick_run_writes_every_row_and_a_plot(quick_run):
     tmp, stdout = quick_run
     results = json.loads((tmp / "bench.json").read_text())["results"]
     assert sorted((r["scheduler"], r["ratio"]) for r in results) == sorted(
-        (s, q) for s in SCHEDULERS + ["hf"] for q in ("9:1", "1:9"))
+        (s, q) for s in list(SCHEDULERS) + ["hf"] for q in ("9:1", "1:9"))
     hf = [r for r in results if r["scheduler"] == "hf"]
     assert all(r["requests_per_s"] > 0 and r["vs_ibs"] > 0 for r in hf)
     assert {r["ratio"]: r["requests"] for r in hf} == {"9:1": 20, "1:9": 8}
@@ -132,8 +131,9 @@ def test_repeats_rotate_the_order_and_keep_the_median_run():
             calls.append(self.name)
             return dict(requests_per_s=float(len(calls)), scheduler=self.name)
 
-    args = argparse.Namespace(no_progress=True, clients=1, iterations=1)
-    rows = serve_all([Fake("a"), Fake("b"), Fake("c")], [("5:5", [])], args, None, "t", 3)
+    cfg = parse_config(["--preset", "tiny", "--clients", "1", "--iterations", "1",
+                        "--no-progress"])
+    rows = serve_all([Fake("a"), Fake("b"), Fake("c")], [("5:5", [])], cfg, None, "t", 3)
     assert calls == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
     assert {r["scheduler"]: r["requests_per_s_runs"] for r in rows} == {
         "a": [1.0, 6.0, 8.0], "b": [2.0, 4.0, 9.0], "c": [3.0, 5.0, 7.0]}
@@ -141,3 +141,13 @@ def test_repeats_rotate_the_order_and_keep_the_median_run():
     assert all(r["ratio"] == "5:5" for r in rows)
     assert median_run([dict(requests_per_s=2.0), dict(requests_per_s=1.0)]) == dict(
         requests_per_s=1.0, requests_per_s_runs=[2.0, 1.0])
+
+
+def test_bench_config_resolves_the_defaults_that_depend_on_other_flags():
+    cfg = parse_config(["--preset", "tiny", "--clients", "5", "--output-len", "100"])
+    assert (cfg.warmup, cfg.min_gens, cfg.max_model_len) == (5, 5, 256)  # 128 + 100 -> 256
+    assert cfg.ratios == ((9, 1), (5, 5), (1, 9)) and cfg.run_size((9, 1)) == 50
+    quick = parse_config(["--preset", "tiny", "--quick", "--clients", "3"])
+    assert (quick.clients, quick.requests, quick.output_len, quick.warmup) == (3, 8, 16, 0)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.clients = 1

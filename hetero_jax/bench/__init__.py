@@ -1,2 +1,3 @@
-"""`hetero-jax bench` and what it is made of: the closed loop (`loop`), the workloads
-(`workloads`), the table and plot (`report`), the transformers baseline (`hf_baseline`)."""
+"""`hetero-jax bench` and what it is made of: its flags and `BenchConfig` (`config`), the
+closed loop (`loop`), the workloads (`workloads`), the table's columns and the plot (`report`),
+the transformers baseline (`hf_baseline`)."""

@@ -161,16 +161,16 @@ def hf_rows(model, lists: list, clients: int, gen_batch: int, embed_batch_size: 
     return rows
 
 
-def run_hf_rows(args, lists: list) -> list:
-    """The bench's `--baseline hf`: the engines' request lists, one row per ratio. A preset
-    is exported to a temporary Hugging Face directory first."""
+def run_hf_rows(cfg, lists: list) -> list:
+    """The bench's `--baseline hf` (`cfg`: its `BenchConfig`): the engines' request lists, one
+    row per ratio. A preset is exported to a temporary Hugging Face directory first."""
     from tqdm.auto import tqdm
 
     with tempfile.TemporaryDirectory(prefix="hetero-jax-hf-") as tmp:
-        model = load_model(args.model or export_preset(args.preset, args.seed, tmp))
+        model = load_model(cfg.model or export_preset(cfg.preset, cfg.seed, tmp))
         bar = tqdm(total=sum(len(reqs) for _, reqs in lists), unit="req", desc="transformers",
-                   disable=args.no_progress)
-        rows = hf_rows(model, lists, args.clients, args.max_num_seqs, args.max_num_seqs,
+                   disable=cfg.no_progress)
+        rows = hf_rows(model, lists, cfg.clients, cfg.max_num_seqs, cfg.max_num_seqs,
                        bar.update)
         bar.close()
     return rows

@@ -3,7 +3,9 @@
 In: a front with AsyncEngine's coroutines (`generate(prompt, params) -> RequestOutput`,
 `embed(x, params) -> [d]`), a list of requests (or Iter-RetGen query plans) and a number of
 clients. Out: one `Record` per request (or question) with its submit, first-token and finish
-times, and `summarize` turns records plus engine counters into one table row.
+times, and `summarize` turns records plus engine counters into one table row. `output_records`
+makes the same Records from the outputs of a batch `Engine.run`/`generate` (timed from each
+request's arrival), so `hetero-jax generate` and `scripts/bench_hol.py` summarize alike.
 
 The loop is the simulator's closed loop (`hetero_jax.sim`): the requests of a run are a fixed,
 seeded, shuffled list with exact per-type counts; each of `clients` coroutines takes the next
@@ -25,10 +27,11 @@ import time
 
 import numpy as np
 
+from hetero_jax.outputs import RequestOutput
 from hetero_jax.rag.iter_retgen import run_iter_retgen
 from hetero_jax.requests import EmbedRequest, GenerateRequest, PoolingParams, SamplingParams
 from hetero_jax.sched import EMBED, GENERATE as GEN
-from hetero_jax.sim import percentile
+from hetero_jax.sim.report import percentile
 
 QUESTION = "question"
 
@@ -53,6 +56,21 @@ async def _one(front, request) -> Record:
     out = await front.generate(request.prompt, request.params)
     return Record(GEN, t0, time.perf_counter(), out.metrics["first_token_time"],
                   len(out.prompt_token_ids), len(out.token_ids), gens=1)
+
+
+def output_records(outs: list) -> list:
+    """Records of a batch run's `RequestOutput`s and `EmbeddingOutput`s, from their arrival."""
+    records = []
+    for o in outs:
+        m = o.metrics
+        if isinstance(o, RequestOutput):
+            records.append(Record(GEN, m["arrival_time"], m["finish_time"],
+                                  m["first_token_time"], len(o.prompt_token_ids),
+                                  len(o.token_ids), gens=1))
+        else:
+            records.append(Record(EMBED, m["arrival_time"], m["finish_time"],
+                                  input_tokens=len(o.prompt_token_ids), embeds=1))
+    return records
 
 
 async def _question(front, index, plan, iterations: int) -> Record:
@@ -150,7 +168,8 @@ def counters_delta(before: dict, after: dict) -> dict:
 
 
 def summarize(records: list, delta: dict, token_budget: int) -> dict:
-    """One row: per-type rates, latency percentiles, TTFT, budget fill, steps, compiles.
+    """One row: per-type counts and rates, latency percentiles (all, and per type), TTFT,
+    budget fill, steps, compiles.
 
     Rates are over the serving time: the wall time from the first submit to the last finish
     less `delta["compile_stall_s"]` (compiling a new step shape stops the engine, and with it
@@ -165,18 +184,20 @@ def summarize(records: list, delta: dict, token_budget: int) -> dict:
     n_gen = sum(r.gens for r in records)
     ttft = [r.first_token - r.submit for r in records if r.first_token is not None]
     steps = delta["steps"]
+    embed_tokens = sum(r.input_tokens for r in by_kind[EMBED])
+    gen_tokens = sum(r.output_tokens for r in records)
     row = dict(
-        requests=n_embed + n_gen, wall_s=raw_wall, serving_s=wall,
-        requests_per_s=(n_embed + n_gen) / wall,
+        requests=n_embed + n_gen, embed_tokens=embed_tokens, gen_tokens=gen_tokens,
+        wall_s=raw_wall, serving_s=wall, requests_per_s=(n_embed + n_gen) / wall,
         embed_requests_per_s=n_embed / wall, gen_requests_per_s=n_gen / wall,
-        embed_tokens_per_s=sum(r.input_tokens for r in by_kind[EMBED]) / wall,
-        gen_tokens_per_s=sum(r.output_tokens for r in records) / wall,
+        embed_tokens_per_s=embed_tokens / wall, gen_tokens_per_s=gen_tokens / wall,
         p50_latency_s=percentile(lat, 50), p99_latency_s=percentile(lat, 99),
         ttft_p50_s=percentile(ttft, 50), ttft_p99_s=percentile(ttft, 99),
         budget_fill=delta["scheduled_tokens"] / max(steps * token_budget, 1),
         steps=steps, compiles=delta["compiles"], compile_s=delta["compile_stall_s"])
     for kind, rs in by_kind.items():
-        row[f"{kind}_p99_latency_s"] = percentile([r.done - r.submit for r in rs], 99)
+        for q in (50, 99):
+            row[f"{kind}_p{q}_latency_s"] = percentile([r.done - r.submit for r in rs], q)
     questions = [r for r in records if r.kind == QUESTION]
     if questions:
         row.update(questions=len(questions), questions_per_s=len(questions) / wall)

@@ -1,7 +1,8 @@
 """The bench's outputs: a fixed-width table and a PNG plot (matplotlib, Agg backend).
 
 In: result rows (dicts from `loop.summarize`, plus `scheduler`, `ratio`, `vs_ibs`).
-Out: the table as a string; the plot written to a path. Missing values print as `-`.
+Out: the table's columns (`COLUMNS`, printed by `sim.report.format_table`) and the notes under
+it; the plot written to a path.
 """
 from __future__ import annotations
 
@@ -23,25 +24,12 @@ req/s, tok/s: per second of serving time, the wall time from the first submit to
   engine and every closed-loop client with it). gen tok/s counts generated tokens.
 p50/p99: latency from submit to finish, all requests; TTFT: generation requests.
 fill: scheduled tokens / (steps x token budget), both workers together for dedicated.
-dedicated: two single-core engine processes; each serves one run() batch at a time, so a
-  request that arrives while its worker's batch runs waits for the next batch. Its compile
-  s is the longer of the two workers' (subtracting it favours dedicated).
+dedicated: two single-core engine processes, one for embeddings and one for generation;
+  each serves one batch at a time, so a request that arrives while its worker's batch runs
+  waits for the next batch. Its compile s is the longer of the two workers' (subtracting it
+  favours dedicated).
 hf: transformers on PyTorch CPU, the same clients over static batches: each round runs every
   pending request (embeddings, then generations); new requests wait for the next round."""
-
-
-def _cell(row: dict, key: str, fmt: str) -> str:
-    value = row.get(key)
-    return "-" if value is None else fmt.format(value)
-
-
-def format_table(rows: list) -> str:
-    cells = [[h for h, _, _ in COLUMNS]] + [[_cell(r, k, f) for _, k, f in COLUMNS] for r in rows]
-    widths = [max(len(c[i]) for c in cells) for i in range(len(COLUMNS))]
-    lines = ["  ".join(c.rjust(w) if i > 1 else c.ljust(w) for i, (c, w) in
-                       enumerate(zip(line, widths))) for line in cells]
-    lines.insert(1, "-" * len(lines[0]))
-    return "\n".join(lines)
 
 
 def plot_results(rows: list, path: str, title: str = "") -> None:

@@ -1,0 +1,208 @@
+"""The flags of `hetero-jax bench` and the frozen `BenchConfig` they resolve to.
+
+In: argv. Out: a `BenchConfig` (`parse_config`): every setting of the run, with the ones that
+depend on other flags or on the model resolved once (`vocab_size`, `max_model_len`,
+`warmup`, `min_gens`), or a `parser.error` (exit status 2) that names the value and the limit.
+The request lists and the Iter-RetGen corpus are not part of it: they are built from it
+where they are needed (`cli.workload_items`), deterministic in the seed.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+
+from hetero_jax.bench.workloads import MixedWorkload, synthetic_iter_retgen
+
+SCHEDULERS = ("ibs", "fcfs", "homogeneous", "dedicated")
+LIMITS = dict(clients=(1, 1024), requests=(1, 100_000), min_gens=(0, 100_000), repeats=(1, 20),
+              embed_len=(1, 8192), prompt_len=(1, 8192), output_len=(1, 8192), iterations=(1, 10),
+              token_budget=(16, 8192), chunk_size=(1, 8192), max_num_seqs=(1, 1024),
+              max_chunk_seqs=(1, 64), warmup=(0, 10_000))
+QUICK = dict(clients=4, requests=8, min_gens=2, embed_len=16, prompt_len=16, output_len=16,
+             warmup=0, token_budget=16, chunk_size=16, max_num_seqs=8, max_chunk_seqs=1)
+_DEFAULT_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "hetero-jax", "xla")
+
+
+def int_in(name: str):
+    lo, hi = LIMITS[name]
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if not lo <= value <= hi:
+            raise argparse.ArgumentTypeError(f"{value} is outside [{lo}, {hi}]")
+        return value
+    return parse
+
+
+def parse_ratios(text: str) -> list:
+    """'9:1,5:5' -> [(9, 1), (5, 5)]: embed:gen weights, integers >= 0, not both 0."""
+    out = []
+    for part in text.split(","):
+        try:
+            e, g = (int(x) for x in part.split(":"))
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"bad ratio {part!r}: expected EMBED:GEN integers like 9:1") from None
+        if e < 0 or g < 0 or e + g == 0 or e + g > 1000:
+            raise argparse.ArgumentTypeError(
+                f"bad ratio {part!r}: weights must be >= 0 with a sum in [1, 1000]")
+        out.append((e, g))
+    return out
+
+
+def parse_schedulers(text: str) -> list:
+    names = [s for s in text.split(",") if s]
+    bad = [s for s in names if s not in SCHEDULERS]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(
+            f"unknown scheduler {bad[0] if bad else text!r}; expected a comma-separated subset "
+            f"of {','.join(SCHEDULERS)}")
+    return list(dict.fromkeys(names))
+
+
+def _scale(text: str) -> float:
+    value = float(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"{value} is outside (0, 1]")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="hetero-jax bench", description="Every scheduler on the "
+                                "same closed-loop workload, side by side.")
+    p.add_argument("--preset", default="small", choices=["tiny", "small"],
+                   help="embedded model (random weights, no download)")
+    p.add_argument("--model", metavar="PATH", help="local Hugging Face directory (overrides "
+                   "--preset)")
+    p.add_argument("--workload", default="mixed", choices=["mixed", "iter-retgen"])
+    p.add_argument("--ratios", type=parse_ratios, default="9:1,5:5,1:9",
+                   help="embed:gen request ratios (mixed workload)")
+    p.add_argument("--schedulers", type=parse_schedulers, default=",".join(SCHEDULERS))
+    p.add_argument("--clients", type=int_in("clients"), default=16,
+                   help="closed-loop clients (concurrent requests or questions)")
+    p.add_argument("--requests", type=int_in("requests"), default=48,
+                   help="requests per scheduler and ratio (iter-retgen: questions)")
+    p.add_argument("--min-gens", type=int_in("min_gens"), default=None,
+                   help="raise a ratio's request count until its run holds this many "
+                   "generations (default: --clients; 9:1 then runs 160 requests)")
+    p.add_argument("--repeats", type=int_in("repeats"), default=1,
+                   help="timed runs per scheduler and ratio, round robin over the schedulers "
+                   "in a rotating order; each row is the run with the median requests/s")
+    p.add_argument("--embed-len", type=int_in("embed_len"), default=128)
+    p.add_argument("--prompt-len", type=int_in("prompt_len"), default=128)
+    p.add_argument("--output-len", type=int_in("output_len"), default=256,
+                   help="generated tokens per generation request (default 256)")
+    quick = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in QUICK.items())
+    p.add_argument("--quick", action="store_true", help="a smoke run, well under a minute "
+                   f"with --preset tiny: the defaults become {quick}")
+    p.add_argument("--iterations", type=int_in("iterations"), default=2,
+                   help="iter-retgen: retrieve-generate rounds per question")
+    p.add_argument("--scale", type=_scale, default=0.05,
+                   help="iter-retgen: fraction of the Iter-RetGen paper's lengths (prompts of "
+                   "500 tokens and 3000 generated tokens on average)")
+    p.add_argument("--token-budget", type=int_in("token_budget"), default=256)
+    p.add_argument("--chunk-size", type=int_in("chunk_size"), default=64)
+    p.add_argument("--max-num-seqs", type=int_in("max_num_seqs"), default=32)
+    p.add_argument("--max-chunk-seqs", type=int_in("max_chunk_seqs"), default=4)
+    p.add_argument("--warmup", type=int_in("warmup"), default=None,
+                   help="warm-up requests per engine before measuring (default: --clients)")
+    p.add_argument("--baseline", choices=["hf"], help="also run transformers on PyTorch CPU "
+                   "on the same weights and requests (mixed workload)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--compile-cache", default=_DEFAULT_CACHE, metavar="DIR",
+                   help="persistent XLA compilation cache ('none' disables)")
+    p.add_argument("--json", metavar="PATH", help="write {config, results} here")
+    p.add_argument("--plot", metavar="PATH", help="write a PNG plot here")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchConfig:
+    """Every setting of a bench run: the flags (same names), with defaults that depend on other
+    flags resolved, and what the model fixes (`vocab_size`, `max_model_len`)."""
+
+    preset: str
+    model: str | None  # a Hugging Face directory, or None for the preset
+    workload: str  # "mixed" | "iter-retgen"
+    ratios: tuple  # ((embed, gen) weights, ...)
+    schedulers: tuple
+    clients: int
+    requests: int
+    min_gens: int
+    repeats: int
+    embed_len: int
+    prompt_len: int
+    output_len: int
+    quick: bool
+    iterations: int
+    scale: float
+    token_budget: int
+    chunk_size: int
+    max_num_seqs: int
+    max_chunk_seqs: int
+    warmup: int
+    baseline: str | None
+    seed: int
+    compile_cache: str
+    json: str | None
+    plot: str | None
+    no_progress: bool
+    vocab_size: int  # the model's
+    max_model_len: int  # positions the longest request needs, rounded up to 64
+
+    @classmethod
+    def from_args(cls, parser, args) -> "BenchConfig":
+        """Resolve parsed flags; limits that depend on several flags or on the model go to
+        `parser.error`, which names them."""
+        from hetero_jax.models.config import model_config_from_hf, read_hf_config
+        from hetero_jax.models.presets import preset_config
+
+        if args.model and not os.path.isdir(args.model):
+            parser.error(f"argument --model: {args.model!r} is not a directory")
+        model_cfg = (model_config_from_hf(read_hf_config(args.model)) if args.model
+                     else preset_config(args.preset))
+        model_max = model_cfg.max_position_embeddings
+        need = max(args.embed_len, args.prompt_len + args.output_len)
+        if args.workload == "iter-retgen":
+            _, plans = synthetic_iter_retgen(args.requests, args.scale, args.seed)
+            need = max(p.prompt_budget + p.max_tokens for p in plans) + 1
+            if args.baseline:
+                parser.error("--baseline hf runs the mixed workload only")
+        if need > model_max:
+            parser.error(f"the requests need {need} positions; the model has "
+                         f"max_position_embeddings={model_max}")
+        if args.chunk_size > args.token_budget:
+            parser.error(f"--chunk-size {args.chunk_size} exceeds --token-budget "
+                         f"{args.token_budget}")
+        return cls(**dict(
+            vars(args), ratios=tuple(args.ratios), schedulers=tuple(args.schedulers),
+            warmup=args.clients if args.warmup is None else args.warmup,
+            min_gens=args.clients if args.min_gens is None else args.min_gens,
+            vocab_size=model_cfg.vocab_size, max_model_len=-(-need // 64) * 64))
+
+    def run_size(self, ratio: tuple) -> int:
+        """Requests in a run of the mixed workload at `ratio`."""
+        return MixedWorkload.run_size(ratio, self.requests, self.min_gens)
+
+    def engine_config(self):
+        """The `EngineConfig` every contender shares (each sets its own scheduler)."""
+        from hetero_jax.config import EngineConfig
+
+        return EngineConfig(token_budget=self.token_budget, chunk_size=self.chunk_size,
+                            max_num_seqs=self.max_num_seqs, max_chunk_seqs=self.max_chunk_seqs,
+                            max_model_len=self.max_model_len, seed=self.seed)
+
+
+def parse_config(argv=None) -> BenchConfig:
+    """argv -> BenchConfig; `--quick` swaps in `QUICK` defaults (flags given still win)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.quick:
+        parser.set_defaults(**QUICK)
+        args = parser.parse_args(argv)
+    return BenchConfig.from_args(parser, args)
