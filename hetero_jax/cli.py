@@ -4,7 +4,8 @@
     hetero-jax sim [--policy ibs] [--cost roofline:h200] ...
     hetero-jax bench [--preset small] [--ratios 9:1,5:5,1:9] [--json PATH] [--plot PATH] ...
 
-`generate` runs a batch generation with a progress bar and prints a throughput summary;
+`generate` runs a batch generation with a progress bar and prints a throughput summary (the
+bench's `bench.loop.summarize` over the outputs; `--json` writes it);
 `sim` runs a scheduling policy in the discrete-event simulator (`hetero_jax.sim`);
 `bench` runs every scheduler on the same closed-loop workload (`hetero_jax.bench`).
 """
@@ -13,9 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 
-import numpy as np
 
 def _positive(text: str) -> int:
     value = int(text)
@@ -24,23 +23,9 @@ def _positive(text: str) -> int:
     return value
 
 
-def summarize(outs: list, wall_s: float, stats) -> dict:
-    gen = sum(len(o.token_ids) for o in outs)
-    lat = [o.metrics["latency_s"] for o in outs]
-    ttft = [o.metrics["ttft_s"] for o in outs]
-    serving_s = wall_s - stats.compile_s
-    return dict(requests=len(outs), generated_tokens=gen, wall_s=wall_s,
-                compile_s=stats.compile_s, tokens_per_s=gen / wall_s,
-                tokens_per_s_excl_compile=gen / serving_s, requests_per_s=len(outs) / wall_s,
-                p50_latency_s=float(np.percentile(lat, 50)),
-                p99_latency_s=float(np.percentile(lat, 99)),
-                p50_ttft_s=float(np.percentile(ttft, 50)), steps=stats.steps,
-                mean_step_ms=1e3 * (stats.step_time_s - stats.compile_s) / max(stats.steps, 1),
-                compiles=stats.compiles, preemptions=stats.preemptions)
-
-
 def cmd_generate(args) -> int:
     from hetero_jax import Engine, EngineConfig, SamplingParams
+    from hetero_jax.bench.loop import counters, counters_delta, output_records, summarize
     from hetero_jax.bench.workloads import demo_prompts
 
     cfg = EngineConfig(token_budget=args.token_budget, chunk_size=args.chunk_size,
@@ -54,25 +39,32 @@ def cmd_generate(args) -> int:
           f"{cfg.max_num_seqs} sequences", flush=True)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_p=args.top_p, ignore_eos=True)
-    prompts = demo_prompts(args.num_prompts, args.seed)
-    start = time.perf_counter()
-    outs = engine.generate(prompts, params)
-    summary = summarize(outs, time.perf_counter() - start, engine.stats)
-    print(f"{summary['requests']} requests, {summary['generated_tokens']} tokens in "
-          f"{summary['wall_s']:.1f} s: {summary['tokens_per_s']:.1f} tokens/s, "
-          f"{summary['requests_per_s']:.2f} requests/s; without the {summary['compile_s']:.1f} s "
-          f"of {summary['compiles']} compiles: {summary['tokens_per_s_excl_compile']:.1f} tokens/s")
-    print(f"latency p50 {summary['p50_latency_s']:.2f} s, p99 {summary['p99_latency_s']:.2f} s; "
-          f"TTFT p50 {summary['p50_ttft_s']:.2f} s; {summary['steps']} steps of "
-          f"{summary['mean_step_ms']:.1f} ms; {summary['preemptions']} preemptions")
+    before = counters(engine)
+    outs = engine.generate(demo_prompts(args.num_prompts, args.seed), params)
+    stats = engine.stats
+    summary = dict(summarize(output_records(outs), counters_delta(before, counters(engine)),
+                             cfg.token_budget), preemptions=stats.preemptions,
+                   mean_step_ms=1e3 * (stats.step_time_s - stats.compile_s) / max(stats.steps, 1))
+    _print_summary(summary)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(summary, f, indent=1)
     return 0
 
 
+def _print_summary(r: dict) -> None:
+    print(f"{r['requests']} requests, {r['gen_tokens']} tokens in {r['wall_s']:.1f} s "
+          f"({r['gen_tokens'] / r['wall_s']:.1f} tokens/s); without the {r['compile_s']:.1f} s "
+          f"spent compiling {r['compiles']} step variants: {r['gen_tokens_per_s']:.1f} tokens/s, "
+          f"{r['requests_per_s']:.2f} requests/s")
+    print(f"latency p50 {r['p50_latency_s']:.2f} s, p99 {r['p99_latency_s']:.2f} s; TTFT p50 "
+          f"{r['ttft_p50_s']:.2f} s; {r['steps']} steps of {r['mean_step_ms']:.1f} ms, "
+          f"{r['budget_fill']:.0%} of the token budget filled; {r['preemptions']} preemptions")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="hetero-jax", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="hetero-jax", description="Batch generation, the "
+                                 "scheduler simulator and the serving benchmark.")
     sub = ap.add_subparsers(dest="command", required=True)
     sub.add_parser("sim", help="simulate a scheduling policy against a cost model "
                    "(hetero-jax sim --help)", add_help=False)

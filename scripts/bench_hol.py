@@ -37,15 +37,15 @@ import time
 
 from hetero_jax.sched import EMBED, GENERATE, SchedulerConfig
 from hetero_jax.sim import (HARDWARE, LengthDist, ModelSpec, RooflineCostModel, SimConfig,
-                            WorkloadConfig, load_cost_model, percentile, simulate)
+                            WorkloadConfig, format_table, load_cost_model, simulate)
 
 METRICS = ("gen_p50_s", "gen_p99_s", "gen_ttft_p99_s", "emb_p50_s", "emb_p99_s", "makespan_s")
-
-
-def summarize(gen_lat: list, gen_ttft: list, emb_lat: list, makespan: float) -> dict:
-    return {"gen_p50_s": percentile(gen_lat, 50), "gen_p99_s": percentile(gen_lat, 99),
-            "gen_ttft_p99_s": percentile(gen_ttft, 99), "emb_p50_s": percentile(emb_lat, 50),
-            "emb_p99_s": percentile(emb_lat, 99), "makespan_s": makespan}
+COLUMNS = [("where", "where", "{}"), ("policy", "policy", "{}"),
+           ("gen p50 ms", "gen_p50_ms", "{:.1f}"), ("gen p99 ms", "gen_p99_ms", "{:.1f}"),
+           ("TTFT p99 ms", "gen_ttft_p99_ms", "{:.1f}"), ("emb p50 ms", "emb_p50_ms", "{:.1f}"),
+           ("emb p99 ms", "emb_p99_ms", "{:.1f}"), ("makespan ms", "makespan_ms", "{:.1f}"),
+           ("cpu/wall", "cpu_per_wall", "{:.2f}"), ("load1", "load1", "{:.1f}"),
+           ("timed compiles", "compiles_while_timed", "{}")]
 
 
 def engine_config(args):
@@ -70,31 +70,30 @@ def hol_requests(args) -> list:
                   for _ in range(args.n)]
 
 
-def timed_run(engine, requests: list) -> tuple[dict, int]:
-    """Metrics of one run, and how many step variants it compiled.
+def timed_run(engine, requests: list, token_budget: int) -> tuple[dict, int]:
+    """Metrics of one run (the bench's `summarize` of its outputs; `makespan_s` from the first
+    arrival to the last finish), and how many step variants it compiled.
 
     `cpu_per_wall` is this process's CPU time over the wall time (about the number of cores
     the engine kept busy; well below it when other processes share the cores). `load1` is the
     1-minute load average when the run started.
     """
-    before, load1 = _compiles(engine), os.getloadavg()[0]
+    from hetero_jax.bench.loop import counters, counters_delta, output_records, summarize
+
+    before, load1 = counters(engine), os.getloadavg()[0]
     start, cpu = time.perf_counter(), time.process_time()
     outs = engine.run(requests, use_tqdm=False)
-    makespan = time.perf_counter() - start
-    gens = [o for o in outs if hasattr(o, "token_ids")]
-    embs = [o for o in outs if not hasattr(o, "token_ids")]
-    metrics = summarize([o.metrics["latency_s"] for o in gens], [o.metrics["ttft_s"] for o in gens],
-                        [o.metrics["latency_s"] for o in embs], makespan)
+    wall = time.perf_counter() - start
+    delta = counters_delta(before, counters(engine))
+    row = summarize(output_records(outs), delta, token_budget)
     in_process = hasattr(engine, "runner")  # a DedicatedEngine computes in its workers
-    metrics.update(cpu_per_wall=(time.process_time() - cpu) / makespan if in_process else None,
-                   load1=load1)
-    return metrics, _compiles(engine) - before
-
-
-def _compiles(engine) -> int:
-    if hasattr(engine, "runner"):
-        return engine.runner.compiles
-    return sum(s.compiles for s in engine.stats.values())
+    metrics = {"gen_p50_s": row[f"{GENERATE}_p50_latency_s"],
+               "gen_p99_s": row[f"{GENERATE}_p99_latency_s"], "gen_ttft_p99_s": row["ttft_p99_s"],
+               "emb_p50_s": row[f"{EMBED}_p50_latency_s"],
+               "emb_p99_s": row[f"{EMBED}_p99_latency_s"], "makespan_s": row["wall_s"],
+               "cpu_per_wall": (time.process_time() - cpu) / wall if in_process else None,
+               "load1": load1}
+    return metrics, delta["compiles"]
 
 
 def _use(engine, policy: str):
@@ -129,7 +128,8 @@ def run_real(args) -> dict:
         runs = {p: [] for p in args.policies}
         for _ in range(args.repeats):
             for policy in args.policies:
-                runs[policy].append(timed_run(_use(engines[policy], policy), requests))
+                runs[policy].append(timed_run(_use(engines[policy], policy), requests,
+                                              cfg.token_budget))
     results = {}
     for policy, rs in runs.items():
         keys = METRICS + ("cpu_per_wall", "load1")
@@ -188,19 +188,11 @@ def targets(results: dict) -> dict:
 
 
 def print_table(sections: dict) -> None:
-    head = (f"{'where':5s} {'policy':12s} {'gen p50':>8s} {'gen p99':>8s} {'ttft p99':>8s} "
-            f"{'emb p50':>8s} {'emb p99':>8s} {'makespan':>8s} {'cpu/wall':>8s} {'load1':>5s}"
-            "   (ms)")
-    print(head)
-    for where, results in sections.items():
-        for policy, m in results.items():
-            note = (f"  ({m['compiles_while_timed']} compiles while timed)"
-                    if m.get("compiles_while_timed") else "")
-            cpu, load = m.get("cpu_per_wall"), m.get("load1")
-            extra = (f" {'-' if cpu is None else f'{cpu:.2f}':>8s}"
-                     f" {'-' if load is None else f'{load:.1f}':>5s}")
-            print(f"{where:5s} {policy:12s} " + " ".join(f"{1e3 * m[k]:8.1f}" for k in METRICS)
-                  + extra + note)
+    """One row per place and policy (latencies in ms), then the target ratios per place."""
+    rows = [dict({f"{k[:-2]}_ms": 1e3 * m[k] for k in METRICS}, where=where, policy=policy,
+                 **{k: m.get(k) for k in ("cpu_per_wall", "load1", "compiles_while_timed")})
+            for where, results in sections.items() for policy, m in results.items()]
+    print(format_table(rows, COLUMNS))
     for where, results in sections.items():
         t = targets(results)
         if t:

@@ -1,4 +1,5 @@
-"""`hetero-jax bench`: a quick run of every scheduler, its JSON and plot, bad flags, HF export."""
+"""`hetero-jax bench`: a quick run of every scheduler, its JSON and plot, bad flags, HF export;
+`hetero-jax generate` and its summary."""
 import dataclasses
 import json
 import os
@@ -151,3 +152,16 @@ def test_bench_config_resolves_the_defaults_that_depend_on_other_flags():
     assert (quick.clients, quick.requests, quick.output_len, quick.warmup) == (3, 8, 16, 0)
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.clients = 1
+
+
+def test_generate_prints_and_writes_its_summary(tmp_path, capsys):
+    path = tmp_path / "gen.json"
+    assert main(["generate", "--preset", "tiny", "--num-prompts", "3", "--max-tokens", "5",
+                 "--token-budget", "64", "--chunk-size", "64", "--max-num-seqs", "4",
+                 "--json", str(path)]) == 0
+    r = json.loads(path.read_text())
+    assert (r["requests"], r["gen_tokens"], r["embed_tokens"]) == (3, 15, 0)
+    assert r["gen_tokens_per_s"] * r["serving_s"] == pytest.approx(15)
+    assert 0 < r["ttft_p50_s"] <= r["p50_latency_s"] <= r["p99_latency_s"] <= r["wall_s"]
+    assert r["steps"] > 0 and r["preemptions"] == 0
+    assert "3 requests, 15 tokens in" in capsys.readouterr().out
