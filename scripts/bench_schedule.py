@@ -2,8 +2,9 @@
 
 Keeps `--queued` requests waiting (topped up after every step; 80% generation, 20% embedding)
 while up to `--max-num-seqs` run, drives the scheduler with a fake runner (no model, no jax),
-and prints the mean, p50 and p99 of schedule() and update() per step. The issue's target is
-under 1 ms per schedule() with 1,000 queued requests.
+and prints the mean, p50 and p99 of schedule() and update() per step (the target: under 1 ms
+per schedule() with 1,000 queued requests). `main` returns one dict per policy (`--json PATH`
+writes the list): the times in microseconds, the timed steps and the tokens they scheduled.
 
     python scripts/bench_schedule.py --queued 1000 --steps 2000
 """
@@ -17,6 +18,12 @@ import time
 
 from hetero_jax.sched import (EMBED, GENERATE, POLICIES, Request, RunnerOutput, SampledToken,
                               Scheduler, SchedulerConfig)
+from hetero_jax.sim.report import format_table, percentile
+
+COLUMNS = [("policy", "policy", "{}"), ("queued", "queued", "{}"), ("steps", "steps", "{}"),
+           ("schedule() mean us", "schedule_mean_us", "{:.1f}"),
+           ("p50 us", "schedule_p50_us", "{:.1f}"), ("p99 us", "schedule_p99_us", "{:.1f}"),
+           ("update() mean us", "update_mean_us", "{:.1f}")]
 
 
 def make_request(rid: int, rng: random.Random) -> Request:
@@ -35,7 +42,7 @@ def bench(policy: str, args) -> dict:
                           max_num_seqs=args.max_num_seqs, max_chunk_seqs=args.max_chunk_seqs,
                           page_size=16, num_pages=args.num_pages, policy=policy)
     sched, rng, next_id = Scheduler(cfg), random.Random(0), 0
-    t_sched, t_update = [], []
+    t_sched, t_update, tokens = [], [], 0
     for step in range(args.warmup + args.steps):
         while sched.num_waiting < args.queued:
             sched.add(make_request(next_id, rng))
@@ -48,13 +55,15 @@ def bench(policy: str, args) -> dict:
         if step >= args.warmup:
             t_sched.append(t1 - t0)
             t_update.append(t2 - t1)
-    us = lambda xs, q: 1e6 * statistics.quantiles(xs, n=100)[q - 1]  # noqa: E731
+            tokens += out.num_tokens
+    us = lambda xs, q: 1e6 * percentile(xs, q)  # noqa: E731
     return {"policy": policy, "queued": args.queued, "running": len(sched.running),
+            "steps": len(t_sched), "scheduled_tokens": tokens,
             "schedule_mean_us": 1e6 * statistics.fmean(t_sched), "schedule_p50_us": us(t_sched, 50),
             "schedule_p99_us": us(t_sched, 99), "update_mean_us": 1e6 * statistics.fmean(t_update)}
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> list:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--queued", type=int, default=1000)
     p.add_argument("--steps", type=int, default=2000)
@@ -68,13 +77,11 @@ def main(argv=None) -> None:
     p.add_argument("--json", help="write the results here")
     args = p.parse_args(argv)
     rows = [bench(name, args) for name in args.policy.split(",")]
-    print(f"{'policy':12s} {'queued':>6s} {'sched mean':>11s} {'p50':>8s} {'p99':>8s} {'update mean':>12s}")
-    for r in rows:
-        print(f"{r['policy']:12s} {r['queued']:6d} {r['schedule_mean_us']:9.1f}us "
-              f"{r['schedule_p50_us']:6.1f}us {r['schedule_p99_us']:6.1f}us {r['update_mean_us']:10.1f}us")
+    print(format_table(rows, COLUMNS))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=2)
+    return rows
 
 
 if __name__ == "__main__":

@@ -20,6 +20,9 @@ from hetero_jax.models.formats.hf_llama import load_hf_model
 
 REQUIRED = {"scheduler", "ratio", "requests_per_s", "embed_requests_per_s", "gen_requests_per_s",
             "p99_latency_s"}
+# --quick at 9:1 and 1:9: (embeddings, generations) per run, round(n * e / (e + g)) embeddings of
+# 8 requests, raised at 9:1 to 20 so that the run holds --min-gens 2 generations
+QUICK_COUNTS = {"9:1": (18, 2), "1:9": (1, 7)}
 
 
 @pytest.fixture(scope="module")
@@ -38,29 +41,54 @@ def quick_run(tmp_path_factory):
 
 def test_quick_run_writes_every_row_and_a_plot(quick_run):
     tmp, stdout = quick_run
-    results = json.loads((tmp / "bench.json").read_text())["results"]
+    data = json.loads((tmp / "bench.json").read_text())
+    results, cfg = data["results"], data["config"]
     assert sorted((r["scheduler"], r["ratio"]) for r in results) == sorted(
-        (s, q) for s in list(SCHEDULERS) + ["hf"] for q in ("9:1", "1:9"))
-    hf = [r for r in results if r["scheduler"] == "hf"]
-    assert all(r["requests_per_s"] > 0 and r["vs_ibs"] > 0 for r in hf)
-    assert {r["ratio"]: r["requests"] for r in hf} == {"9:1": 20, "1:9": 8}
+        (s, q) for s in list(SCHEDULERS) + ["hf"] for q in QUICK_COUNTS)
     assert "ibs / transformers at 9:1" in stdout
-    results = [r for r in results if r["scheduler"] != "hf"]
     for r in results:
         assert REQUIRED <= set(r), REQUIRED - set(r)
-        # --quick: 8 requests, raised at 9:1 to hold --min-gens 2 generations
-        assert r["requests"] == {"9:1": 20, "1:9": 8}[r["ratio"]]
-        assert r["requests_per_s"] > 0 and r["p99_latency_s"] > 0
-        assert 0 < r["budget_fill"] <= 1 and r["steps"] > 0
-    mix = {r["ratio"]: r for r in results if r["scheduler"] == "ibs"}
-    assert mix["9:1"]["embed_requests_per_s"] > mix["9:1"]["gen_requests_per_s"]
-    assert mix["1:9"]["embed_requests_per_s"] < mix["1:9"]["gen_requests_per_s"]
-    assert all(r["vs_ibs"] == pytest.approx(r["requests_per_s"] / mix[r["ratio"]]["requests_per_s"])
+        assert_every_request_did_all_its_work(r, cfg)
+        assert r["vs_ibs"] > 0
+        if r["scheduler"] != "hf":
+            assert_scheduled_tokens_are_the_work(r, cfg)
+    ibs = {r["ratio"]: r["requests_per_s"] for r in results if r["scheduler"] == "ibs"}
+    assert all(r["vs_ibs"] == pytest.approx(r["requests_per_s"] / ibs[r["ratio"]])
                for r in results)
     assert (tmp / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     for s in SCHEDULERS:
         assert s in stdout
     assert "req/s" in stdout and "x ibs" in stdout
+
+
+def assert_every_request_did_all_its_work(r: dict, cfg: dict) -> None:
+    """Counts and rates agree with the workload: every generation produced all its
+    --output-len tokens and every embedding read all its --embed-len tokens."""
+    n_embed, n_gen = QUICK_COUNTS[r["ratio"]]
+    where = f"{r['scheduler']} {r['ratio']}"
+    assert r["requests"] == n_embed + n_gen, where
+    assert (r["embed_tokens"], r["gen_tokens"]) == (n_embed * cfg["embed_len"],
+                                                    n_gen * cfg["output_len"]), where
+    t = r["serving_s"]
+    assert 0 < t <= r["wall_s"], where
+    got = [r[k] * t for k in ("requests_per_s", "embed_requests_per_s", "gen_requests_per_s",
+                              "embed_tokens_per_s", "gen_tokens_per_s")]
+    assert got == pytest.approx([n_embed + n_gen, n_embed, n_gen, r["embed_tokens"],
+                                 r["gen_tokens"]]), where
+    assert 0 < r["p50_latency_s"] <= r["p99_latency_s"] <= r["wall_s"], where
+
+
+def assert_scheduled_tokens_are_the_work(r: dict, cfg: dict) -> None:
+    """The engine scheduled each input token once and one decode token per generated token
+    after the first (sampled at the end of the prompt): nothing dropped, nothing recomputed;
+    a generation's first token came before its end."""
+    n_embed, n_gen = QUICK_COUNTS[r["ratio"]]
+    work = n_embed * cfg["embed_len"] + n_gen * (cfg["prompt_len"] + cfg["output_len"] - 1)
+    scheduled = r["budget_fill"] * r["steps"] * cfg["token_budget"]
+    where = f"{r['scheduler']} {r['ratio']}"
+    assert scheduled == pytest.approx(work), f"{where}: {scheduled=}, {work=}"
+    assert r["steps"] >= -(-work // cfg["token_budget"]), where
+    assert 0 < r["ttft_p50_s"] <= r["ttft_p99_s"] <= r["generate_p99_latency_s"], where
 
 
 @pytest.mark.parametrize("flags, message", [

@@ -25,12 +25,15 @@ def test_calibrate_fits_a_cost_model_the_simulator_loads(tmp_path, capsys):
     cost = load_cost_model(str(path))
     assert isinstance(cost, LinearCostModel) and cost.intercept_s >= 0
     assert all(c > 0 for _, c in cost.coef_s) and dict(cost.coef_s).get("tokens", 0) > 0
-    assert cost.token_buckets == tuple(data["token_buckets"]) and cost.token_buckets[-1] == 64
+    assert cost.token_buckets == tuple(data["token_buckets"]) == (16, 256)
     small, big = StepShape(embed_tokens=16, seqs=1), StepShape(embed_tokens=64, seqs=1)
     assert cost.step_time(big) > cost.step_time(small) > 0
     fit = json.loads(path.read_text())["fit"]
     assert fit["all"]["n"] >= 20 and fit["held_out"]["n"] >= 5
-    assert 0 <= fit["all"]["r2"] <= 1, "in-sample, non-negative least squares beats the mean"
+    # Held-out steps (every fourth, not fitted): R^2 0.96-1.00 in 8 runs on a 2-core machine
+    # at load average 2-3. A fit that misses how the step time depends on the step's shape
+    # scores about 0 or below: -0.5..0.01 with the step times shuffled before the fit.
+    assert fit["held_out"]["r2"] >= 0.8, fit["held_out"]
     r = simulate(SimConfig(SchedulerConfig(token_budget=64, chunk_size=32, num_pages=512),
                            WorkloadConfig(num_requests=10, arrival="burst")), cost)
     assert r.makespan_s > 0

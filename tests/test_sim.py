@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from hetero_jax.sched import (DECODE, EMBED, GENERATE, PREFILL, ScheduledItem, SchedulerConfig,
-                              SchedulerOutput)
+from hetero_jax.sched import (DECODE, EMBED, GENERATE, POLICIES, PREFILL, ScheduledItem,
+                              SchedulerConfig, SchedulerOutput)
 from hetero_jax.sim import (HARDWARE, Hardware, LengthDist, LinearCostModel, ModelSpec,
                             RooflineCostModel, SimConfig, Simulation, StepShape, WorkloadConfig,
                             format_table, load_cost_model, percentile, request_specs, simulate)
@@ -263,7 +263,16 @@ def test_bench_hol_short_outputs_credits_drain_both_queues_together():
     assert fcfs["emb_p99_s"] < 1.6 * ibs["emb_p99_s"]
 
 
-def test_bench_schedule_runs(capsys):
-    bench = load_script("bench_schedule")
-    bench.main(["--queued", "50", "--steps", "20", "--warmup", "5"])
-    assert "ibs" in capsys.readouterr().out
+def test_bench_schedule_runs(tmp_path):
+    """Every policy timed over exactly the steps asked, each step within the token budget."""
+    path = tmp_path / "schedule.json"
+    rows = load_script("bench_schedule").main(["--queued", "50", "--steps", "20", "--warmup",
+                                               "5", "--json", str(path)])
+    assert [r["policy"] for r in rows] == list(POLICIES)
+    for r in rows:
+        assert (r["queued"], r["steps"]) == (50, 20), r
+        assert 0 < r["scheduled_tokens"] <= 20 * 256, r  # --budget 256
+        assert 0 < r["running"] <= 32, r  # --max-num-seqs 32
+        assert 0 < r["schedule_p50_us"] <= r["schedule_p99_us"], r
+        assert r["schedule_mean_us"] > 0 and r["update_mean_us"] > 0, r
+    assert json.loads(path.read_text()) == rows
