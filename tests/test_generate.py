@@ -94,6 +94,7 @@ def test_preemption_recomputes_and_loses_nothing():
     assert [o.token_ids for o in outs] == [o.token_ids for o in alone]
 
 
+@pytest.mark.slow  # 12 s in interpret mode; the kernel alone: tests/test_pallas_attention.py
 def test_pallas_attention_engine_matches_xla():
     """The mixed steps give the same tokens and log-probs with the Pallas kernel (interpret)."""
     ps = [[256] + list(range(40, 40 + n)) for n in (3, 30, 11)]

@@ -12,6 +12,7 @@ pytest.importorskip("matplotlib")
 ROOT = pathlib.Path(__file__).parents[1]
 
 
+@pytest.mark.slow  # 25-40 s: a kernel process, MiniLM, the tiny preset and a short bench
 def test_demo_notebook_runs():
     nb = nbformat.read(ROOT / "notebooks" / "demo.ipynb", as_version=4)
     for cell in nb.cells:  # run from a clean slate, not the saved outputs

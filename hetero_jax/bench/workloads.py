@@ -3,8 +3,8 @@
 - `MixedWorkload`: the bench's mixed embed:gen request lists, fixed lengths, exact counts.
 - `synthetic_iter_retgen`: a corpus and Iter-RetGen `QueryPlan`s with the paper's lengths.
 - `demo_prompts`: prompts of varied lengths for `hetero-jax generate`.
-The simulator describes its workloads with `sim.workload` (length distributions, the mix,
-arrivals); these build real requests for the engine.
+The request mix itself (kinds, lengths, order) comes from the simulator's `sim.workload`, so
+the bench and `hetero-jax sim` draw their workloads the same way.
 """
 from __future__ import annotations
 
@@ -16,7 +16,9 @@ import numpy as np
 
 from hetero_jax.rag.iter_retgen import QueryPlan, build_prompt
 from hetero_jax.requests import EmbedRequest, GenerateRequest, PoolingParams, SamplingParams
-from hetero_jax.sched import EMBED, GENERATE as GEN
+from hetero_jax.sched import EMBED
+from hetero_jax.sim.workload import LengthDist, WorkloadConfig, request_specs
+
 
 @dataclasses.dataclass(frozen=True)
 class MixedWorkload:
@@ -36,19 +38,21 @@ class MixedWorkload:
         return max(requests, -(-min_gens * (e + g) // g)) if g else requests
 
     def requests(self, ratio: tuple, num: int, vocab: int) -> list:
-        """`num` requests at `ratio` (embed, gen): round(num * e / (e + g)) embeddings,
-        shuffled; token ids drawn below min(vocab, 256) (bytes of the byte tokenizer)."""
-        rng = random.Random(f"{self.seed}/{ratio[0]}:{ratio[1]}/{num}")
-        n_embed = round(num * ratio[0] / sum(ratio))
-        kinds = [EMBED] * n_embed + [GEN] * (num - n_embed)
-        rng.shuffle(kinds)
-        hi = min(vocab, 256)
-        gen = SamplingParams(max_tokens=self.output_len, temperature=0.0, ignore_eos=True)
+        """`num` requests at `ratio` (embed, gen): the simulator's mix (`sim.request_specs`:
+        round(num * e / (e + g)) embeddings, shuffled) with token ids drawn below
+        min(vocab, 256) (bytes of the byte tokenizer)."""
+        e, g = ratio
+        specs = request_specs(WorkloadConfig(
+            num_requests=num, embed_frac=e / (e + g), gen_prompt=LengthDist((self.prompt_len,)),
+            gen_output=LengthDist((self.output_len,)), embed_len=LengthDist((self.embed_len,)),
+            order="mixed", seed=self.seed))
+        rng, hi = random.Random(self.seed + 1), min(vocab, 256)
         pool = PoolingParams("mean", normalize=True)
-        return [EmbedRequest([rng.randrange(hi) for _ in range(self.embed_len)], pool)
-                if k == EMBED else
-                GenerateRequest([rng.randrange(hi) for _ in range(self.prompt_len)], gen)
-                for k in kinds]
+        return [EmbedRequest([rng.randrange(hi) for _ in range(s.input_len)], pool)
+                if s.kind == EMBED else
+                GenerateRequest([rng.randrange(hi) for _ in range(s.input_len)], SamplingParams(
+                    max_tokens=s.max_tokens, temperature=0.0, ignore_eos=True))
+                for s in specs]
 
 
 PAPER_STATS = dict(prompt_mean=500, prompt_max=2000, decode_mean=3000, decode_max=4000,
