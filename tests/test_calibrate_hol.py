@@ -2,11 +2,11 @@
 import json
 
 import numpy as np
-from tests.test_sim import load_script
 
 from hetero_jax.sched import SchedulerConfig
 from hetero_jax.sim import (LinearCostModel, SimConfig, StepShape, WorkloadConfig,
                             load_cost_model, simulate)
+from tests.script_loader import load_script
 
 
 def test_nonnegative_least_squares_hand_cases():

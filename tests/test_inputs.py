@@ -5,7 +5,7 @@ import shutil
 
 import pytest
 
-from hetero_jax import Engine, EngineConfig, SamplingParams
+from hetero_jax import Engine, EngineConfig, PoolingParams, SamplingParams
 from hetero_jax.models.formats.hf_llama import load_hf_model
 
 CFG = EngineConfig(token_budget=64, max_model_len=128, token_buckets=(16, 64), page_buckets=(8,))
@@ -26,6 +26,13 @@ def test_bad_prompt_raises_and_engine_stays_usable(engine, prompt, match):
     assert not engine.scheduler.has_work(), "a rejected batch left work behind"
     out = engine.generate(["fine"], SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)
     assert len(out[0].token_ids) == 4
+
+
+def test_one_params_per_prompt_or_one_for_all(engine):
+    with pytest.raises(ValueError, match="got 1 SamplingParams for 2 prompts"):
+        engine.generate(["a", "b"], [SamplingParams()], use_tqdm=False)
+    with pytest.raises(ValueError, match="got 3 PoolingParams for 1 inputs"):
+        engine.embed("a", [PoolingParams()] * 3, use_tqdm=False)
 
 
 def test_too_many_logprobs(engine):

@@ -1,7 +1,5 @@
 """The simulator (no jax): cost models by hand, workloads, the event loop, the CLI, scripts."""
-import importlib.util
 import json
-import pathlib
 import random
 import subprocess
 import sys
@@ -14,16 +12,7 @@ from hetero_jax.sim import (HARDWARE, Hardware, LengthDist, LinearCostModel, Mod
                             RooflineCostModel, SimConfig, Simulation, StepShape, WorkloadConfig,
                             format_table, load_cost_model, percentile, request_specs, simulate)
 from hetero_jax.sim.cli import sim_main
-
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-
-
-def load_script(name):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+from tests.script_loader import ROOT, load_script
 
 
 def test_step_shape_counts_tokens_context_and_pairs():

@@ -32,24 +32,24 @@ def check_request_type(index: int, request) -> None:
                          "GenerateRequest or EmbedRequest")
 
 
+def _as_requests(xs, params, params_cls, request_cls, noun: str) -> list:
+    """A string or a list of inputs, with one params for all (None: defaults) or one each."""
+    xs = [xs] if isinstance(xs, str) else list(xs)
+    if params is None or isinstance(params, params_cls):
+        params = [params or params_cls()] * len(xs)
+    if len(params) != len(xs):
+        raise ValueError(f"got {len(params)} {params_cls.__name__} for {len(xs)} {noun}")
+    return [request_cls(x, p) for x, p in zip(xs, params)]
+
+
 def as_generate_requests(prompts, params: SamplingParams | list | None) -> list:
-    """`Engine.generate`'s arguments -> GenerateRequests (one params for all, or one each)."""
-    prompts = [prompts] if isinstance(prompts, str) else list(prompts)
-    if params is None or isinstance(params, SamplingParams):
-        params = [params or SamplingParams()] * len(prompts)
-    if len(params) != len(prompts):
-        raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
-    return [GenerateRequest(p, sp) for p, sp in zip(prompts, params)]
+    """`generate`'s arguments -> GenerateRequests."""
+    return _as_requests(prompts, params, SamplingParams, GenerateRequest, "prompts")
 
 
 def as_embed_requests(inputs, params: PoolingParams | list | None) -> list:
-    """`Engine.embed`'s arguments -> EmbedRequests (one params for all, or one each)."""
-    inputs = [inputs] if isinstance(inputs, str) else list(inputs)
-    if params is None or isinstance(params, PoolingParams):
-        params = [params or PoolingParams()] * len(inputs)
-    if len(params) != len(inputs):
-        raise ValueError(f"got {len(params)} PoolingParams for {len(inputs)} inputs")
-    return [EmbedRequest(x, p) for x, p in zip(inputs, params)]
+    """`embed`'s arguments -> EmbedRequests."""
+    return _as_requests(inputs, params, PoolingParams, EmbedRequest, "inputs")
 
 
 def tokenize(index: int, text, tokenizer, vocab: int, kind: str) -> list:
