@@ -6,18 +6,8 @@ import numpy as np
 from hetero_jax import EngineConfig
 from hetero_jax.runner.batch import pack_batch
 from hetero_jax.runner.packed import PackedLayout
-from hetero_jax.sched import (
-    DECODE,
-    EMBED,
-    PREFILL,
-    EmbedKnobs,
-    GenKnobs,
-    Request,
-    RunnerOutput,
-    SampledToken,
-    Scheduler,
-    SchedulerConfig,
-)
+from hetero_jax.sched import (DECODE, EMBED, PREFILL, EmbedKnobs, GenKnobs, Request,
+                              RunnerOutput, SampledToken, Scheduler, SchedulerConfig)
 
 
 def test_packed_layout_hand_computed():
