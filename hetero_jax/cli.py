@@ -8,19 +8,28 @@
 bench's `bench.loop.summarize` over the outputs; `--json` writes it);
 `sim` runs a scheduling policy in the discrete-event simulator (`hetero_jax.sim`);
 `bench` runs every scheduler on the same closed-loop workload (`hetero_jax.bench`).
+Each command checks its flags, and that the paths it will write can be written, before any
+work (and `generate` before it imports jax): a bad one is an argparse error, exit status 2.
 """
 from __future__ import annotations
 
 import argparse
-import json
+import os
 import sys
 
+from hetero_jax.models.presets import PRESETS
+from hetero_jax.sim.cli import int_range, output_file, real_range, sim_main, write_json
 
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} must be >= 1")
-    return value
+
+# generate's integer flags: (lo, hi); the upper limits are the bench's
+LIMITS = dict(num_prompts=(1, 100_000), max_tokens=(1, 8192), token_budget=(1, 8192),
+              chunk_size=(1, 8192), max_num_seqs=(1, 1024), seed=(0, 2**32 - 1))
+
+
+def _model_dir(text: str) -> str:
+    if not os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a directory")
+    return text
 
 
 def cmd_generate(args) -> int:
@@ -47,8 +56,7 @@ def cmd_generate(args) -> int:
                    mean_step_ms=1e3 * (stats.step_time_s - stats.compile_s) / max(stats.steps, 1))
     _print_summary(summary)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(summary, f, indent=1)
+        write_json(args.json, summary, indent=1)
     return 0
 
 
@@ -71,18 +79,31 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("bench", help="closed-loop benchmark of every scheduler side by side "
                    "(hetero-jax bench --help)", add_help=False)
     g = sub.add_parser("generate", help="batch generation with a throughput summary")
-    g.add_argument("--preset", default="small", help="embedded model: tiny or small")
-    g.add_argument("--model", default=None, help="local Hugging Face directory (overrides --preset)")
-    g.add_argument("--num-prompts", type=_positive, default=64)
-    g.add_argument("--max-tokens", type=_positive, default=64)
-    g.add_argument("--temperature", type=float, default=0.8)
-    g.add_argument("--top-p", type=float, default=0.95)
-    g.add_argument("--token-budget", type=_positive, default=256)
-    g.add_argument("--chunk-size", type=_positive, default=64)
-    g.add_argument("--max-num-seqs", type=_positive, default=32)
-    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--json", default=None, help="write the summary here")
+    ints = {name: int_range(*limits) for name, limits in LIMITS.items()}
+    g.add_argument("--preset", default="small", choices=list(PRESETS),
+                   help="embedded model (random weights, no download)")
+    g.add_argument("--model", type=_model_dir, default=None, metavar="DIR",
+                   help="local Hugging Face directory (overrides --preset)")
+    g.add_argument("--num-prompts", type=ints["num_prompts"], default=64,
+                   help="demo prompts to generate from")
+    g.add_argument("--max-tokens", type=ints["max_tokens"], default=64,
+                   help="tokens generated per prompt")
+    g.add_argument("--temperature", type=real_range(0), default=0.8,
+                   help="sampling temperature (0: greedy)")
+    g.add_argument("--top-p", type=real_range(0, 1, open_lo=True), default=0.95,
+                   help="nucleus sampling: keep the smallest set of tokens with this much "
+                   "probability")
+    g.add_argument("--token-budget", type=ints["token_budget"], default=256,
+                   help="tokens per engine step")
+    g.add_argument("--chunk-size", type=ints["chunk_size"], default=64,
+                   help="prompt tokens per chunk")
+    g.add_argument("--max-num-seqs", type=ints["max_num_seqs"], default=32,
+                   help="sequences per engine step")
+    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="weights and activations")
+    g.add_argument("--seed", type=ints["seed"], default=0, help="weights (preset) and prompts")
+    g.add_argument("--json", type=output_file, default=None, metavar="PATH",
+                   help="write the summary here")
     g.set_defaults(func=cmd_generate)
     return ap
 
@@ -90,7 +111,6 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["sim"]:  # host-only: no jax import
-        from hetero_jax.sim.cli import sim_main
         sim_main(argv[1:])
         return 0
     if argv[:1] == ["bench"]:

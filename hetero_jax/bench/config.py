@@ -3,6 +3,8 @@
 In: argv. Out: a `BenchConfig` (`parse_config`): every setting of the run, with the ones that
 depend on other flags or on the model resolved once (`vocab_size`, `max_model_len`,
 `warmup`, `min_gens`), or a `parser.error` (exit status 2) that names the value and the limit.
+Every path the run will write (`--json`, `--plot`, `--compile-cache`) is checked here, before
+any engine is built: a run must not fail at its end on a path it could have checked first.
 The request lists and the Iter-RetGen corpus are not part of it: they are built from it
 where they are needed (`cli.workload_items`), deterministic in the seed.
 """
@@ -13,29 +15,26 @@ import dataclasses
 import os
 
 from hetero_jax.bench.workloads import MixedWorkload, synthetic_iter_retgen
+from hetero_jax.sim.cli import int_range, output_dir, output_file, real_range
 
 SCHEDULERS = ("ibs", "fcfs", "homogeneous", "dedicated")
 LIMITS = dict(clients=(1, 1024), requests=(1, 100_000), min_gens=(0, 100_000), repeats=(1, 20),
               embed_len=(1, 8192), prompt_len=(1, 8192), output_len=(1, 8192), iterations=(1, 10),
               token_budget=(16, 8192), chunk_size=(1, 8192), max_num_seqs=(1, 1024),
-              max_chunk_seqs=(1, 64), warmup=(0, 10_000))
+              max_chunk_seqs=(1, 64), warmup=(0, 10_000), seed=(0, 2**32 - 1))
 QUICK = dict(clients=4, requests=8, min_gens=2, embed_len=16, prompt_len=16, output_len=16,
              warmup=0, token_budget=16, chunk_size=16, max_num_seqs=8, max_chunk_seqs=1)
 _DEFAULT_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "hetero-jax", "xla")
 
 
 def int_in(name: str):
-    lo, hi = LIMITS[name]
+    """An argparse type: an integer within `LIMITS[name]`."""
+    return int_range(*LIMITS[name])
 
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-        if not lo <= value <= hi:
-            raise argparse.ArgumentTypeError(f"{value} is outside [{lo}, {hi}]")
-        return value
-    return parse
+
+def compile_cache_dir(text: str) -> str:
+    """An argparse type: 'none', or a directory that exists or can be created, and written."""
+    return text if text == "none" else output_dir(text)
 
 
 def parse_ratios(text: str) -> list:
@@ -62,13 +61,6 @@ def parse_schedulers(text: str) -> list:
             f"unknown scheduler {bad[0] if bad else text!r}; expected a comma-separated subset "
             f"of {','.join(SCHEDULERS)}")
     return list(dict.fromkeys(names))
-
-
-def _scale(text: str) -> float:
-    value = float(text)
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"{value} is outside (0, 1]")
-    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -101,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
                    f"with --preset tiny: the defaults become {quick}")
     p.add_argument("--iterations", type=int_in("iterations"), default=2,
                    help="iter-retgen: retrieve-generate rounds per question")
-    p.add_argument("--scale", type=_scale, default=0.05,
+    p.add_argument("--scale", type=real_range(0, 1, open_lo=True), default=0.05,
                    help="iter-retgen: fraction of the Iter-RetGen paper's lengths (prompts of "
                    "500 tokens and 3000 generated tokens on average)")
     p.add_argument("--token-budget", type=int_in("token_budget"), default=256)
@@ -112,11 +104,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="warm-up requests per engine before measuring (default: --clients)")
     p.add_argument("--baseline", choices=["hf"], help="also run transformers on PyTorch CPU "
                    "on the same weights and requests (mixed workload)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--compile-cache", default=_DEFAULT_CACHE, metavar="DIR",
-                   help="persistent XLA compilation cache ('none' disables)")
-    p.add_argument("--json", metavar="PATH", help="write {config, results} here")
-    p.add_argument("--plot", metavar="PATH", help="write a PNG plot here")
+    p.add_argument("--seed", type=int_in("seed"), default=0)
+    p.add_argument("--compile-cache", type=compile_cache_dir, default=_DEFAULT_CACHE,
+                   metavar="DIR", help="persistent XLA compilation cache ('none' disables)")
+    p.add_argument("--json", type=output_file, metavar="PATH",
+                   help="write {config, results} here")
+    p.add_argument("--plot", type=output_file, metavar="PATH", help="write a PNG plot here")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 

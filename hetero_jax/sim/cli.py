@@ -2,22 +2,147 @@
 
 In: argv (workload, policies, budget, chunk size, replicas, cost model). `dedicated` (with
 `--replicas` >= 2) is the static split: `--embed-replicas` replicas (default half) serve only
-embeddings and the rest only generation, each in arrival order. Out: one table row
-per policy on stdout (throughput per type, p50/p99 latency and TTFT, average budget fill,
-embedding share of scheduled tokens) and, with `--json PATH`, the same numbers as JSON:
+embeddings and the rest only generation, each in arrival order. Every flag is checked before
+any simulation runs: a bad value, a request that can never fit (`--max-model-len`,
+`--num-pages`) or a `--json` path that cannot be written is a `parser.error` (exit status 2)
+naming the flag, the value and the limit. Out: one table row per policy on stdout
+(throughput per type, p50/p99 latency and TTFT, average budget fill, embedding share of
+scheduled tokens) and, with `--json PATH`, the same numbers as JSON:
 `{"config": {...}, "results": {policy: SimResult}}`. Imports no jax.
+
+The argument types here (`int_range`, `real_range`, `output_file`, `output_dir`) are shared by
+every `hetero-jax` command: this module imports no jax, so `generate` can check its flags
+before jax loads.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import json
+import math
+import os
+import tempfile
 
 from hetero_jax.sched import EMBED, GENERATE, POLICIES, SchedulerConfig
 from hetero_jax.sim.costmodel import HARDWARE, MODELS, load_cost_model
 from hetero_jax.sim.report import format_table
 from hetero_jax.sim.simulate import SimConfig, simulate
 from hetero_jax.sim.workload import ARRIVALS, ORDERS, LengthDist, WorkloadConfig
+
+LIMITS = dict(budget=(1, 1 << 20), chunk=(1, 1 << 20), max_num_seqs=(1, 100_000),
+              max_chunk_seqs=(1, 100_000), page_size=(1, 1 << 16), num_pages=(2, 10_000_000),
+              max_model_len=(1, 1 << 24), replicas=(1, 1024), embed_replicas=(1, 1023),
+              requests=(1, 10_000_000), clients=(1, 1_000_000))
+LENGTH_SPECS = "128, 96,224, 96:0.55,224:0.45 or 64-256"
+
+
+def int_range(lo: int, hi: int):
+    """An argparse type: an integer in [lo, hi]."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if not lo <= value <= hi:
+            raise argparse.ArgumentTypeError(f"{value} is outside [{lo}, {hi}]")
+        return value
+    return parse
+
+
+def real_range(lo: float, hi: float = math.inf, open_lo: bool = False):
+    """An argparse type: a number in [lo, hi] ((lo, hi] with `open_lo`; hi=inf: open), not nan."""
+    shown = f"{'(' if open_lo else '['}{lo:g}, {hi:g}{')' if math.isinf(hi) else ']'}"
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        inside = (lo < value if open_lo else lo <= value) and (
+            value < hi if math.isinf(hi) else value <= hi)
+        if not inside:  # nan is never inside
+            raise argparse.ArgumentTypeError(f"{value} is outside {shown}")
+        return value
+    return parse
+
+
+def output_problem(path: str, directory: bool = False) -> str | None:
+    """Why `path` (a file, or with `directory` a directory) could not be written, or None.
+    Missing directories on the way are fine when the nearest existing one can be written (the
+    writer creates them). Leaves nothing behind: an existing file is opened to append and
+    closed unchanged; a directory is probed with a nameless temporary file."""
+    full = os.path.abspath(path)
+    if os.path.exists(full):
+        if os.path.isdir(full) != directory:
+            return f"it is {'not ' if directory else ''}a directory"
+        return _write_problem(full, directory, "it")
+    parent = os.path.dirname(full)
+    while not os.path.lexists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        return f"{parent!r} is not a directory"
+    return _write_problem(parent, True, repr(parent))
+
+
+def _write_problem(path: str, directory: bool, name: str) -> str | None:
+    if not (directory or os.path.isfile(path)):  # a device or a pipe: opening it may block
+        return None if os.access(path, os.W_OK) else f"{name} is not writable"
+    try:
+        if directory:
+            with tempfile.TemporaryFile(dir=path):
+                pass
+        else:
+            with open(path, "ab"):
+                pass
+    except OSError as e:
+        return f"{name} is not writable ({e.strerror or e})"
+    return None
+
+
+def output_file(text: str) -> str:
+    """An argparse type: a file path that can be written (checked before any work)."""
+    problem = output_problem(text) if text else None
+    if problem:
+        raise argparse.ArgumentTypeError(f"cannot write {text!r}: {problem}")
+    return text
+
+
+def output_dir(text: str) -> str:
+    """An argparse type: a directory that exists or can be created, and can be written."""
+    problem = output_problem(text, directory=True)
+    if problem:
+        raise argparse.ArgumentTypeError(f"cannot write {text!r}: {problem}")
+    return text
+
+
+def write_json(path: str, data, **kwargs) -> None:
+    """`data` as JSON at `path`, creating the directories on the way."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(data, f, **kwargs)
+
+
+def length_spec(text: str) -> str:
+    """An argparse type: a length spec `LengthDist.parse` takes, with weights >= 0 and a
+    positive sum; returns the text (parsed again where the workload is built)."""
+    try:
+        dist = LengthDist.parse(text)
+    except ValueError:
+        dist = None
+    if dist is None or any(not w >= 0 for w in dist.weights) or (
+            dist.weights and not 0 < sum(dist.weights) < math.inf):
+        raise argparse.ArgumentTypeError(
+            f"bad length spec {text!r}: expected {LENGTH_SPECS}, lengths >= 1, lo <= hi, "
+            "weights >= 0 with a positive sum")
+    return text
+
+
+def longest(dist: LengthDist) -> int:
+    """The longest length `dist` can draw."""
+    if dist.span:
+        return dist.span[1]
+    weights = dist.weights or (1.0,) * len(dist.values)
+    return max(v for v, w in zip(dist.values, weights) if w > 0)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -28,51 +153,94 @@ def build_parser() -> argparse.ArgumentParser:
                    "dedicated when --replicas >= 2)")
     p.add_argument("--cost", default="roofline:h200",
                    help=f"roofline:<{'|'.join(HARDWARE)}> or a cost model JSON file")
-    p.add_argument("--model", default="mistral-7b", help=f"roofline model: {', '.join(MODELS)}")
+    p.add_argument("--model", default="mistral-7b", choices=list(MODELS), help="roofline model")
     s = p.add_argument_group("scheduler")
-    s.add_argument("--budget", type=int, default=256, help="token budget per step")
-    s.add_argument("--chunk", type=int, default=64, help="chunk size")
-    s.add_argument("--max-num-seqs", type=int, default=64)
-    s.add_argument("--max-chunk-seqs", type=int, default=8)
-    s.add_argument("--page-size", type=int, default=16)
-    s.add_argument("--num-pages", type=int, default=16384)
-    s.add_argument("--max-model-len", type=int, default=4096)
-    s.add_argument("--replicas", type=int, default=1)
-    s.add_argument("--embed-replicas", type=int, default=None,
+    ints = {name: int_range(*limits) for name, limits in LIMITS.items()}
+    s.add_argument("--budget", type=ints["budget"], default=256, help="token budget per step")
+    s.add_argument("--chunk", type=ints["chunk"], default=64, help="chunk size")
+    s.add_argument("--max-num-seqs", type=ints["max_num_seqs"], default=64,
+                   help="sequences per step (and pooler slots)")
+    s.add_argument("--max-chunk-seqs", type=ints["max_chunk_seqs"], default=8,
+                   help="multi-token items per step")
+    s.add_argument("--page-size", type=ints["page_size"], default=16, help="tokens per KV page")
+    s.add_argument("--num-pages", type=ints["num_pages"], default=16384,
+                   help="KV pages per replica (page 0 is scratch)")
+    s.add_argument("--max-model-len", type=ints["max_model_len"], default=4096,
+                   help="longest sequence (prompt + output)")
+    s.add_argument("--replicas", type=ints["replicas"], default=1,
+                   help="scheduler replicas behind the router")
+    s.add_argument("--embed-replicas", type=ints["embed_replicas"], default=None,
                    help="dedicated: replicas that serve only embeddings (default: half)")
     w = p.add_argument_group("workload")
-    w.add_argument("--requests", type=int, default=500)
-    w.add_argument("--embed-frac", type=float, default=0.2)
-    w.add_argument("--gen-prompt", default="128", help="length spec: 128 | 96,224 | "
-                   "96:0.55,224:0.45 | 64-256")
-    w.add_argument("--gen-output", default="256")
-    w.add_argument("--embed-len", default="96:0.55,224:0.45")
+    w.add_argument("--requests", type=ints["requests"], default=500, help="requests in the run")
+    w.add_argument("--embed-frac", type=real_range(0, 1), default=0.2,
+                   help="fraction of the requests that are embeddings")
+    w.add_argument("--gen-prompt", type=length_spec, default="128",
+                   help=f"length spec: {LENGTH_SPECS}")
+    w.add_argument("--gen-output", type=length_spec, default="256",
+                   help="generated tokens per generation request (length spec)")
+    w.add_argument("--embed-len", type=length_spec, default="96:0.55,224:0.45",
+                   help="embedding input length (length spec)")
     w.add_argument("--arrival", default="poisson", choices=ARRIVALS)
-    w.add_argument("--rate", type=float, default=20.0, help="requests/s (poisson)")
-    w.add_argument("--clients", type=int, default=32, help="closed-loop clients")
+    w.add_argument("--rate", type=real_range(0, open_lo=True), default=20.0,
+                   help="requests/s (poisson)")
+    w.add_argument("--clients", type=ints["clients"], default=32, help="closed-loop clients")
     w.add_argument("--order", default="mixed", choices=ORDERS)
     w.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    p.add_argument("--json", metavar="PATH", type=output_file,
+                   help="also write the results as JSON")
     return p
 
 
-def _configs(args) -> tuple:
+def _policies(parser, args) -> tuple:
+    """(policy names, embedding replicas of `dedicated`), or `parser.error`."""
     known = list(POLICIES) + ["dedicated"]
     policies = (known if args.replicas >= 2 else list(POLICIES)) if args.policy == "all" else \
-        args.policy.split(",")
+        list(dict.fromkeys(args.policy.split(",")))
     for name in policies:
         if name not in known:
-            raise SystemExit(f"unknown policy {name!r}; expected one of {', '.join(known)}")
+            parser.error(f"argument --policy: unknown policy {name!r}; expected one of "
+                         f"{', '.join(known)} or all")
     split = args.replicas // 2 if args.embed_replicas is None else args.embed_replicas
     if "dedicated" in policies and not 0 < split < args.replicas:
-        raise SystemExit(f"dedicated needs --replicas >= 2 and 0 < --embed-replicas < "
-                         f"--replicas (one device per type at least); got --replicas "
-                         f"{args.replicas}, --embed-replicas {split}")
+        parser.error(f"dedicated needs --replicas >= 2 and 0 < --embed-replicas < --replicas "
+                     f"(one device per type at least); got --replicas {args.replicas}, "
+                     f"--embed-replicas {split}")
+    return policies, split
+
+
+def _fit_problem(args, workload: WorkloadConfig) -> str | None:
+    """Why some request of the workload could never run, or None."""
+    n_embed = round(workload.num_requests * workload.embed_frac)
+    longest_seq = {}  # kind -> (tokens, how they add up)
+    if n_embed < workload.num_requests:
+        prompt, output = longest(workload.gen_prompt), longest(workload.gen_output)
+        longest_seq["a generation request"] = (prompt + output, f"{prompt} + {output} = ")
+    if n_embed:
+        longest_seq["an embedding"] = (longest(workload.embed_len), "")
+    for what, (tokens, sum_) in longest_seq.items():
+        if tokens > args.max_model_len:
+            return (f"{what} of up to {sum_}{tokens} tokens does not fit --max-model-len "
+                    f"{args.max_model_len}")
+        pages = -(-tokens // args.page_size)
+        if pages > args.num_pages - 1:
+            return (f"{what} of up to {tokens} tokens needs {pages} KV pages of "
+                    f"{args.page_size} tokens; --num-pages {args.num_pages} holds "
+                    f"{args.num_pages - 1} (page 0 is scratch)")
+    return None
+
+
+def _configs(parser, args) -> tuple:
+    """(policy names, one `SimConfig` each), or `parser.error` naming what cannot run."""
+    policies, split = _policies(parser, args)
     workload = WorkloadConfig(
         num_requests=args.requests, embed_frac=args.embed_frac,
         gen_prompt=LengthDist.parse(args.gen_prompt), gen_output=LengthDist.parse(args.gen_output),
         embed_len=LengthDist.parse(args.embed_len), arrival=args.arrival, rate=args.rate,
         clients=args.clients, order=args.order, seed=args.seed)
+    problem = _fit_problem(args, workload)
+    if problem:
+        parser.error(problem)
     sched = SchedulerConfig(
         token_budget=args.budget, chunk_size=args.chunk, max_num_seqs=args.max_num_seqs,
         max_chunk_seqs=args.max_chunk_seqs, page_size=args.page_size, num_pages=args.num_pages,
@@ -81,6 +249,17 @@ def _configs(args) -> tuple:
         SimConfig(dataclasses.replace(sched, policy="fcfs" if name == "dedicated" else name),
                   workload, args.replicas, split if name == "dedicated" else 0)
         for name in policies]
+
+
+def _cost_model(parser, args):
+    """The cost model `--cost` names, or `parser.error` saying why it cannot be loaded."""
+    try:
+        return load_cost_model(args.cost, args.model)
+    except (OSError, ValueError) as e:
+        parser.error(f"argument --cost: {e}")
+    except (KeyError, AttributeError, TypeError) as e:
+        parser.error(f"argument --cost: {args.cost!r} is not a cost model JSON file "
+                     f"({type(e).__name__}: {e})")
 
 
 # (header, row key, format): latencies in milliseconds
@@ -112,12 +291,10 @@ def table_row(name: str, r) -> dict:
 
 def sim_main(argv=None) -> dict:
     """Entry point of `hetero-jax sim`; returns {policy: SimResult}."""
-    args = build_parser().parse_args(argv)
-    try:
-        cost = load_cost_model(args.cost, args.model)
-        policies, configs = _configs(args)
-    except (ValueError, FileNotFoundError) as e:
-        raise SystemExit(f"hetero-jax sim: {e}") from None
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    cost = _cost_model(parser, args)
+    policies, configs = _configs(parser, args)
     results = {name: simulate(cfg, cost) for name, cfg in zip(policies, configs)}
     print(f"cost model: {cost.describe()}; {args.requests} requests, {args.arrival} arrivals, "
           f"{args.replicas} replica(s), budget {args.budget}, chunk {args.chunk}")
@@ -125,9 +302,8 @@ def sim_main(argv=None) -> dict:
     print("latencies from arrival; TTFT: to the first generated token; fill: scheduled tokens /\n"
           "token budget, mean over steps; emb tokens: the embeddings' share of scheduled tokens")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"config": vars(args), "results": {n: r.to_dict() for n, r in results.items()}},
-                      f, indent=2)
+        write_json(args.json, {"config": vars(args),
+                               "results": {n: r.to_dict() for n, r in results.items()}}, indent=2)
     return results
 
 
