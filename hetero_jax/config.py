@@ -10,6 +10,8 @@ import dataclasses
 import itertools
 from collections.abc import Callable
 
+from hetero_jax.requests import INT32_MAX, require_int, require_real
+
 _DTYPES = ("float32", "bfloat16")
 
 
@@ -56,21 +58,36 @@ class EngineConfig:
     buffered_head: Callable | None = None
 
     def __post_init__(self):
-        checks = [("token_budget", 1), ("chunk_size", 1), ("max_num_seqs", 1),
-                  ("max_chunk_seqs", 1), ("page_size", 1)]
-        for name, lo in checks:
-            if getattr(self, name) < lo:
-                raise ValueError(f"{name}={getattr(self, name)} must be >= {lo}")
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"dtype={self.dtype!r} must be one of {_DTYPES}")
-        if self.layer_loop not in ("auto", "scan", "unrolled"):
-            raise ValueError(f"layer_loop={self.layer_loop!r}: expected auto, scan or unrolled")
-        if self.attention_impl not in ("auto", "xla", "pallas"):
-            raise ValueError(f"attention_impl={self.attention_impl!r}: expected auto, xla or pallas")
+        for name, lo in (("token_budget", 1), ("chunk_size", 1), ("max_num_seqs", 1),
+                         ("max_chunk_seqs", 1), ("page_size", 1), ("max_logprobs", 0)):
+            object.__setattr__(self, name, require_int(name, getattr(self, name), lo, INT32_MAX))
+        for name, lo in (("num_pages", 2), ("max_model_len", 1)):
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, require_int(name, getattr(self, name), lo,
+                                                           INT32_MAX))
+        object.__setattr__(self, "seed", require_int("seed", self.seed, 0, 2**32 - 1))
+        if require_real("kv_cache_gib", self.kv_cache_gib) <= 0:
+            raise ValueError(f"kv_cache_gib={self.kv_cache_gib!r} must be > 0")
+        for name in ("token_buckets", "seq_buckets", "page_buckets", "chunk_seq_buckets"):
+            buckets = getattr(self, name)
+            if buckets is not None:
+                if isinstance(buckets, (str, bytes)) or not isinstance(buckets, (list, tuple)):
+                    raise ValueError(f"{name}={buckets!r} must be a tuple of integers")
+                lo = 0 if name == "chunk_seq_buckets" else 1
+                object.__setattr__(self, name, tuple(require_int(f"{name}[{i}]", b, lo, INT32_MAX)
+                                                     for i, b in enumerate(buckets)))
+        for name, choices in (("dtype", _DTYPES), ("layer_loop", ("auto", "scan", "unrolled")),
+                              ("attention_impl", ("auto", "xla", "pallas"))):
+            if getattr(self, name) not in choices:
+                raise ValueError(f"{name}={getattr(self, name)!r} must be one of {choices}")
+        if not isinstance(self.scheduler, str):
+            raise ValueError(f"scheduler={self.scheduler!r} must be a policy name (a string)")
+        if self.buffered_head is not None and not callable(self.buffered_head):
+            raise ValueError(f"buffered_head={self.buffered_head!r} must be a function or None")
 
     def resolve(self, model_max_len: int, kv_bytes_per_token: int) -> "EngineConfig":
         """Fill every None from the model: max_model_len, num_pages and the bucket lists."""
-        max_len = self.max_model_len or min(model_max_len, 2048)
+        max_len = min(model_max_len, 2048) if self.max_model_len is None else self.max_model_len
         if max_len > model_max_len:
             raise ValueError(f"max_model_len={max_len} exceeds the model's {model_max_len}")
         pages_per_seq = -(-max_len // self.page_size)

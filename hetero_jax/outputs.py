@@ -14,18 +14,20 @@ class RequestOutput:
     prompt_token_ids: list
     token_ids: list  # generated ids only
     text: str | None
-    finish_reason: str  # "stop" | "length" | "abort"
+    finish_reason: str  # "stop" | "length" | "abort" | "error"
     logprobs: list | None  # per token: {"logprob", "top": [(token_id, logprob), ...]}
     metrics: dict  # arrival_time, first_token_time, finish_time, ttft_s, latency_s, preemptions
+    error: str | None = None  # with finish_reason "error": what failed this request alone
 
 
 @dataclasses.dataclass
 class EmbeddingOutput:
     request_id: int
     prompt_token_ids: list
-    embedding: object  # np.ndarray [d] float32
-    finish_reason: str  # "embedded" | "abort"
+    embedding: object  # np.ndarray [d] float32 (None with finish_reason "error")
+    finish_reason: str  # "embedded" | "abort" | "error"
     metrics: dict  # arrival_time, finish_time, latency_s
+    error: str | None = None  # with finish_reason "error": what failed this request alone
 
 
 @dataclasses.dataclass

@@ -8,6 +8,38 @@ bad value raises here, naming the value and the limit.
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
+
+INT32_MAX = 2**31 - 1  # the device arrays that carry per-request knobs are int32
+
+
+def require_int(name: str, value, lo: int | None = None, hi: int | None = None) -> int:
+    """`value` as an int if it is a Python or numpy integer (not a bool) in [lo, hi]."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{name}={value!r} must be an integer, not {type(value).__name__}")
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        raise ValueError(f"{name}={value!r} must be in [{lo}, {'inf' if hi is None else hi}]")
+    return int(value)
+
+
+def require_real(name: str, value) -> float:
+    """`value` as a finite float if it is a real number (not a bool)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{name}={value!r} must be a number, not {type(value).__name__}")
+    if not math.isfinite(value):
+        raise ValueError(f"{name}={value!r} must be finite")
+    return float(value)
+
+
+def require_bool(name: str, value) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name}={value!r} must be True or False, not {type(value).__name__}")
+    return value
+
+
+def _set(obj, name: str, value) -> None:
+    object.__setattr__(obj, name, value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -16,7 +48,8 @@ class SamplingParams:
 
     `logprobs=k` returns, for each generated token, its log-probability and the top-k
     alternatives (of the model's distribution, before temperature); `seed` fixes the request's
-    random stream (None: fixed by the engine's seed and the request's id).
+    random stream (None: fixed by the engine's seed and the request's id). Integers may be
+    numpy integers; booleans must be `bool`.
     """
 
     max_tokens: int = 16
@@ -29,19 +62,26 @@ class SamplingParams:
     logprobs: int | None = None
 
     def __post_init__(self):
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens={self.max_tokens!r} must be an integer >= 1")
-        if not self.temperature >= 0:
+        _set(self, "max_tokens", require_int("max_tokens", self.max_tokens, 1, INT32_MAX))
+        _set(self, "temperature", require_real("temperature", self.temperature))
+        if self.temperature < 0:
             raise ValueError(f"temperature={self.temperature!r} must be >= 0")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"top_k={self.top_k!r} must be an integer >= 0 (0 = no limit)")
+        _set(self, "top_k", require_int("top_k", self.top_k, 0, INT32_MAX))
+        _set(self, "top_p", require_real("top_p", self.top_p))
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p={self.top_p!r} must be in (0, 1]")
-        if self.seed is not None and not 0 <= self.seed < 2**32:
-            raise ValueError(f"seed={self.seed!r} must be in [0, 2**32)")
-        if self.logprobs is not None and self.logprobs < 0:
-            raise ValueError(f"logprobs={self.logprobs!r} must be >= 0")
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if self.seed is not None:
+            _set(self, "seed", require_int("seed", self.seed, 0, 2**32 - 1))
+        stops = self.stop_token_ids
+        if isinstance(stops, (str, bytes)) or not isinstance(stops, (list, tuple, set,
+                                                                      frozenset)):
+            raise ValueError(f"stop_token_ids={stops!r} must be a list, tuple or set of token "
+                             "ids")
+        _set(self, "stop_token_ids", tuple(require_int(f"stop_token_ids[{i}]", t, 0, INT32_MAX)
+                                           for i, t in enumerate(stops)))
+        require_bool("ignore_eos", self.ignore_eos)
+        if self.logprobs is not None:
+            _set(self, "logprobs", require_int("logprobs", self.logprobs, 0, INT32_MAX))
 
 
 STREAMING_KINDS = ("mean", "weighted_mean", "cls", "last")  # incremental over chunks
@@ -69,6 +109,11 @@ class PoolingParams:
     def __post_init__(self):
         if self.pooling is not None and self.pooling not in POOLING_KINDS:
             raise ValueError(f"unknown pooling {self.pooling!r}; expected one of {POOLING_KINDS}")
+        if self.normalize is not None:
+            require_bool("normalize", self.normalize)
+        require_bool("truncate", self.truncate)
+        if self.adapter is not None and not isinstance(self.adapter, str):
+            raise ValueError(f"adapter={self.adapter!r} must be an adapter name (a string)")
 
 
 @dataclasses.dataclass(frozen=True)

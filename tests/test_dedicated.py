@@ -63,7 +63,7 @@ def test_bad_input_raises_and_the_engine_stays_usable(dedicated):
                        EmbedRequest([1]), EmbedRequest([])])
     with pytest.raises(ValueError, match="prompt 1: token id 9999"):
         dedicated.run([EmbedRequest([1]), GenerateRequest([9999])])
-    with pytest.raises(ValueError, match="expected GenerateRequest"):
+    with pytest.raises(TypeError, match="expected GenerateRequest"):
         dedicated.run(["just a string"])
     vec = dedicated.embed([[1, 2, 3]], PoolingParams("mean"))
     assert vec.shape == (1, 256) and np.isclose(np.linalg.norm(vec), 1.0)

@@ -132,14 +132,14 @@ def test_update_records_the_runner_embedding_and_stop_tokens():
 
 def test_bad_requests_are_refused():
     sched = Scheduler(config(page_size=4, num_pages=5, max_model_len=64))
-    with pytest.raises(AssertionError, match="max_tokens"):
+    with pytest.raises(ValueError, match="max_tokens"):
         sched.add(gen(0, 4, 0))
-    with pytest.raises(AssertionError, match="pages"):
+    with pytest.raises(ValueError, match="pages"):
         sched.add(emb(1, 20))
-    with pytest.raises(AssertionError, match="no tokens"):
+    with pytest.raises(ValueError, match="no tokens"):
         sched.add(emb(2, 0))
     sched.add(emb(3, 16))
-    with pytest.raises(AssertionError, match="already queued"):
+    with pytest.raises(ValueError, match="already queued"):
         sched.add(emb(3, 4))
 
 

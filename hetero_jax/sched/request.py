@@ -69,6 +69,7 @@ class Request:
     first_token_time: float | None = None  # first sampled token, or the embedding
     finish_time: float | None = None
     embedding: object = None  # the pooled vector of a finished embedding request
+    error: Exception | None = None  # why the engine failed it (finish_reason "error")
 
     @property
     def num_tokens(self) -> int:

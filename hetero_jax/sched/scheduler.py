@@ -122,25 +122,38 @@ class Scheduler:
 
     # -- interface ---------------------------------------------------------------------------
     def add(self, request: Request) -> None:
-        cfg, rid = self.cfg, request.request_id
-        assert request.kind in REQUEST_KINDS, f"request {rid}: unknown kind {request.kind!r}"
-        assert rid not in self.requests, f"request id {rid} is already queued"
-        assert request.num_tokens > 0, f"request {rid} has no tokens"
-        if not (request.is_embed and self.on_encoder):
-            total = request.num_tokens
-            if not request.is_embed:
-                assert request.max_tokens >= 1, f"request {rid}: {request.max_tokens=} < 1"
-                total = min(total + request.max_tokens, cfg.max_model_len)
-            assert request.num_tokens <= cfg.max_model_len, (
-                f"request {rid} has {request.num_tokens} tokens > {cfg.max_model_len=}")
-            need = -(-total // cfg.page_size)
-            assert need < cfg.num_pages, (
-                f"request {rid} needs {need} pages, the cache has {cfg.num_pages - 1}")
+        """Queue a request; raises ValueError (not an assert: it holds under `python -O`)
+        when it could never run under this configuration."""
+        rid = request.request_id
+        problem = None
+        if request.kind not in REQUEST_KINDS:
+            problem = f"unknown kind {request.kind!r}"
+        elif rid in self.requests:
+            problem = "is already queued"
+        elif request.num_tokens == 0:
+            problem = "has no tokens"
+        elif not (request.is_embed and self.on_encoder):
+            problem = self._decoder_problem(request)
+        if problem:
+            raise ValueError(f"request {rid} {problem}")
         request.status = Status.WAITING
         self.requests[rid] = request
         self._arrival[rid] = next(self._counter)
         self.waiting[request.kind].append(request)
         self.pending[request.kind] += request.num_pending
+
+    def _decoder_problem(self, request: Request) -> str | None:
+        cfg, total = self.cfg, request.num_tokens
+        if not request.is_embed:
+            if request.max_tokens < 1:
+                return f"has max_tokens={request.max_tokens} < 1"
+            total = min(total + request.max_tokens, cfg.max_model_len)
+        if request.num_tokens > cfg.max_model_len:
+            return f"has {request.num_tokens} tokens > max_model_len={cfg.max_model_len}"
+        need = -(-total // cfg.page_size)
+        if need >= cfg.num_pages:
+            return f"needs {need} KV pages, the cache has {cfg.num_pages - 1}"
+        return None
 
     def has_work(self) -> bool:
         return bool(self.running) or any(self.waiting.values())

@@ -35,7 +35,8 @@ from hetero_jax.serving.input_processor import check_request_type, default_seed
 
 EMBED_ROLE, GEN_ROLE = "embed", "generate"
 _ONE_THREAD = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
-_ERRORS = {"ValueError": ValueError, "FileNotFoundError": FileNotFoundError}
+_ERRORS = {"ValueError": ValueError, "TypeError": TypeError,
+           "FileNotFoundError": FileNotFoundError}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,7 +67,7 @@ def _worker(role: str, core: int, spec: ModelSource, config: EngineConfig, conn)
     except Exception as e:  # noqa: BLE001 - reported to the parent, which raises it
         conn.send(("error", (type(e).__name__, str(e), traceback.format_exc())))
         return
-    conn.send(("ok", engine.config))
+    conn.send(("ok", (engine.config, engine.embedding_dim)))
     while True:
         cmd, arg = conn.recv()
         if cmd == "close":
@@ -144,7 +145,8 @@ class DedicatedEngine(BatchAPI):
         self._finalizer = weakref.finalize(self, _stop, list(self._procs.values()),
                                            list(self._conns.values()))
         resolved = {role: self._receive(role) for role in self._conns}
-        self.config = resolved[GEN_ROLE]  # max_model_len etc. resolved against the model
+        self.config = resolved[GEN_ROLE][0]  # max_model_len etc. resolved against the model
+        self.embedding_dim = resolved[EMBED_ROLE][1]
         self.stats: dict = {}  # role -> the EngineStats of that worker after the last run
         self._next_id = 0
 
@@ -198,7 +200,7 @@ class DedicatedEngine(BatchAPI):
         for role in sent:  # wait for every worker, even after one failed
             try:
                 results[role], self.stats[role] = self._receive(role)
-            except ValueError as e:
+            except (ValueError, TypeError) as e:
                 errors.append(_global_index(e, [i for i, _ in split[role]]))
         if errors:
             raise errors[0]
@@ -242,10 +244,10 @@ class DedicatedEngine(BatchAPI):
         raise RuntimeError(f"the {role} worker failed: {name}: {message}\n{trace}")
 
 
-def _global_index(error: ValueError, indices: list) -> ValueError:
+def _global_index(error: Exception, indices: list) -> Exception:
     """A worker's error names the request by its index in that worker's list (`prompt 2`,
-    `input 0`); rename it by its index in the caller's list."""
-    match = re.match(r"(prompt|input) (\d+)\b", str(error))
+    `input 0`, `request 1`); rename it by its index in the caller's list."""
+    match = re.match(r"(prompt|input|request) (\d+)\b", str(error))
     if not match or int(match[2]) >= len(indices):
         return error
     kind, local = match[1], int(match[2])

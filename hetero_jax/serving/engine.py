@@ -11,6 +11,8 @@ same steps (`run`); `add`/`step`/`abort`/`output` expose the loop to `AsyncEngin
 """
 from __future__ import annotations
 
+import itertools
+import threading
 import time
 
 import jax
@@ -26,13 +28,14 @@ from hetero_jax.models.layers import stack_layers
 from hetero_jax.models.presets import preset_config
 from hetero_jax.models.tokenizer import ByteTokenizer, load_tokenizer
 from hetero_jax.outputs import EngineStats
+from hetero_jax.runner.batch import pack_batch
 from hetero_jax.runner.decoder import DecoderRunner
 from hetero_jax.sched import RunnerOutput, Scheduler, SchedulerConfig
 from hetero_jax.serving import checkpoint
 from hetero_jax.serving.batch_api import BatchAPI
 from hetero_jax.serving.encoder import SeparateEncoder
 from hetero_jax.serving.input_processor import EmbeddingModel, InputProcessor
-from hetero_jax.serving.output_processor import make_output
+from hetero_jax.serving.output_processor import error_output, make_output
 
 
 class Engine(BatchAPI):
@@ -51,17 +54,21 @@ class Engine(BatchAPI):
         if adapters:
             stacked = lora.stack_adapters(list(adapters.values()), model_cfg, dtype)
             params = dict(params, layers=lora.merge_lora_layers(params["layers"], stacked))
-        self.runner = DecoderRunner(model_cfg, c, params)
-        self.scheduler = Scheduler(SchedulerConfig(
+        if c.max_logprobs > model_cfg.vocab_size:
+            raise ValueError(f"max_logprobs={c.max_logprobs} exceeds the vocabulary of "
+                             f"{model_cfg.vocab_size} tokens")
+        self.scheduler = Scheduler(SchedulerConfig(  # first: a bad policy name fails here
             token_budget=c.token_budget, chunk_size=c.chunk_size, max_num_seqs=c.max_num_seqs,
             max_chunk_seqs=c.max_chunk_seqs, page_size=c.page_size, num_pages=c.num_pages,
             max_model_len=c.max_model_len, policy=c.scheduler,
             encoder_max_seqs=encoder.runner.batch_buckets[-1] if encoder else 0))
+        self.runner = DecoderRunner(model_cfg, c, params)
         embedding = encoder.embedding_model if encoder else EmbeddingModel(
             tokenizer, model_cfg.vocab_size, c.max_model_len, "mean", True, on_decoder=True)
         self.inputs = InputProcessor(model_cfg, c, tokenizer, embedding, adapter_ids)
         self.stats = EngineStats()
-        self._next_id = 0
+        self._ids = itertools.count()  # request ids; next() is atomic across threads
+        self._lock = threading.RLock()  # one step (or one `run`) at a time
 
     # -- construction ------------------------------------------------------------------------
     @classmethod
@@ -113,20 +120,29 @@ class Engine(BatchAPI):
 
     def run(self, requests: list, use_tqdm: bool = True) -> list:
         """Serve a mix of GenerateRequest and EmbedRequest together in heterogeneous steps;
-        outputs (RequestOutput / EmbeddingOutput) come back in input order."""
-        reqs = self.add(requests)
-        bar = tqdm(total=len(reqs), desc="requests", unit="req", disable=not use_tqdm)
-        start, tokens0 = time.perf_counter(), self.stats.generated_tokens
-        try:
-            while self.has_work():
-                bar.update(len(self.step()))
-                rate = (self.stats.generated_tokens - tokens0) / (time.perf_counter() - start)
-                bar.set_postfix(tok_s=f"{rate:.1f}", refresh=False)
-        finally:
-            bar.close()
-            for req in reqs:
-                self.abort(req.request_id)  # no-op for finished ones
-        return [self.output(req) for req in reqs]
+        outputs (RequestOutput / EmbeddingOutput) come back in input order.
+
+        Calls from several threads take turns (one batch at a time). A request the engine
+        fails after validation comes back with `finish_reason="error"` and its `error`; the
+        others are unaffected. An error that belongs to no single request is raised.
+        """
+        with self._lock:
+            if self.scheduler.has_work():
+                raise RuntimeError("the engine is serving other requests (an AsyncEngine's, or "
+                                   "a step-wise caller's): use that front, or wait for them")
+            reqs = self.add(requests)
+            bar = tqdm(total=len(reqs), desc="requests", unit="req", disable=not use_tqdm)
+            start, tokens0 = time.perf_counter(), self.stats.generated_tokens
+            try:
+                while self.has_work():
+                    bar.update(len(self.step()))
+                    rate = (self.stats.generated_tokens - tokens0) / (time.perf_counter() - start)
+                    bar.set_postfix(tok_s=f"{rate:.1f}", refresh=False)
+            finally:
+                bar.close()
+                for req in reqs:
+                    self.abort(req.request_id)  # no-op for finished ones
+            return [self.output(req) for req in reqs]
 
     # -- step-wise interface (AsyncEngine drives it) -----------------------------------------
     def add(self, requests: list) -> list:
@@ -137,15 +153,15 @@ class Engine(BatchAPI):
         return self.enqueue(self.prepare(requests))
 
     def prepare(self, requests: list) -> list:
-        """Validate and tokenize requests into `Request` handles without queueing them."""
-        reqs = [self.inputs.process(i, r, self._next_id + i) for i, r in enumerate(requests)]
-        self._next_id += len(reqs)
-        return reqs
+        """Validate and tokenize requests into `Request` handles without queueing them (no
+        lock: the engine's state is not touched, so a front may prepare during a step)."""
+        return [self.inputs.process(i, r, next(self._ids)) for i, r in enumerate(requests)]
 
     def enqueue(self, reqs: list) -> list:
         """Queue prepared handles (between steps); returns them."""
-        for req in reqs:
-            self.scheduler.add(req)
+        with self._lock:
+            for req in reqs:
+                self.scheduler.add(req)
         return reqs
 
     def has_work(self) -> bool:
@@ -153,25 +169,68 @@ class Engine(BatchAPI):
 
     def step(self) -> list:
         """One scheduled step: the separate encoder's pass (if it has items), then the
-        decoder's (if it has items); returns the requests that finished."""
-        out = self.scheduler.schedule()
-        assert out.items or out.encoder_items, "an empty step while requests are pending"
+        decoder's (if it has items); returns the requests that finished (or failed).
+
+        When running the step raises, the items whose own data cannot be packed are failed
+        alone (`finish_reason="error"`, pages and slots freed) and the others run next step;
+        when no item is to blame, the error is raised.
+        """
+        with self._lock:
+            out = self.scheduler.schedule()
+            assert out.items or out.encoder_items, "an empty step while requests are pending"
+            try:
+                runner_out = self._execute(out)
+            except Exception as error:
+                return self._fail_culprits(out, error)
+            finished = self.scheduler.update(out, runner_out, time.perf_counter())
+            self._account(out, runner_out)
+            return finished
+
+    def abort(self, request_id) -> None:
+        """Drop a request wherever it is; the scheduler frees its pages and pooler slot."""
+        with self._lock:
+            self.scheduler.abort(request_id)
+
+    def output(self, req):
+        """The user-facing output of a finished request handle; a request the engine failed,
+        or whose output cannot be built, gets an output with `finish_reason="error"`."""
+        if req.error is None:
+            try:
+                return make_output(req, self.tokenizer)
+            except Exception as e:  # noqa: BLE001 - this request's data: fail it alone
+                req.error = e
+        return error_output(req)
+
+    @property
+    def embedding_dim(self) -> int:
+        """The length of the vectors `embed` returns."""
+        return (self.encoder.runner.cfg if self.encoder else self.model_cfg).hidden_size
+
+    def _execute(self, out) -> RunnerOutput:
         runner_out = RunnerOutput()
         if out.encoder_items:
             runner_out = self.encoder.runner.execute(out.encoder_items)
         if out.items:
             runner_out = runner_out.merge(self.runner.execute(out.items))
-        finished = self.scheduler.update(out, runner_out, time.perf_counter())
-        self._account(out, runner_out)
-        return finished
+        return runner_out
 
-    def abort(self, request_id) -> None:
-        """Drop a request wherever it is; the scheduler frees its pages and pooler slot."""
-        self.scheduler.abort(request_id)
-
-    def output(self, req):
-        """The user-facing output of a (finished) request handle."""
-        return make_output(req, self.tokenizer)
+    def _fail_culprits(self, out, error: Exception) -> list:
+        """Fail the decoder items that cannot be packed even alone; re-raise if there are none."""
+        culprits = []
+        for item in out.items:
+            try:
+                pack_batch([item], self.config)
+            except Exception as e:  # noqa: BLE001 - this item's own data is broken
+                culprits.append((item.request_id, e))
+        if not culprits:
+            raise error
+        failed = []
+        for rid, e in culprits:
+            req = self.scheduler.requests[rid]
+            self.scheduler.abort(rid)
+            req.finish_reason, req.error, req.finish_time = "error", e, time.perf_counter()
+            failed.append(req)
+        return failed
 
     def _account(self, out, runner_out) -> None:
         s = self.stats

@@ -11,7 +11,10 @@ it `AsyncEngine`) and `DedicatedEngine`.
 from __future__ import annotations
 
 import dataclasses
+import numbers
 import time
+
+import numpy as np
 
 from hetero_jax.config import EngineConfig
 from hetero_jax.models.config import ModelConfig
@@ -27,9 +30,15 @@ def default_seed(engine_seed: int, request_id: int) -> int:
 
 
 def check_request_type(index: int, request) -> None:
-    if not isinstance(request, (GenerateRequest, EmbedRequest)):
-        raise ValueError(f"request {index} is a {type(request).__name__}; expected "
-                         "GenerateRequest or EmbedRequest")
+    """A GenerateRequest with SamplingParams or an EmbedRequest with PoolingParams."""
+    kinds = {GenerateRequest: SamplingParams, EmbedRequest: PoolingParams}
+    if type(request) not in kinds:
+        raise TypeError(f"request {index} is a {type(request).__name__}; expected "
+                        "GenerateRequest or EmbedRequest")
+    want = kinds[type(request)]
+    if not isinstance(request.params, want):
+        raise TypeError(f"request {index}: {type(request).__name__}.params is a "
+                        f"{type(request.params).__name__}; expected {want.__name__}")
 
 
 def _as_requests(xs, params, params_cls, request_cls, noun: str) -> list:
@@ -52,15 +61,37 @@ def as_embed_requests(inputs, params: PoolingParams | list | None) -> list:
     return _as_requests(inputs, params, PoolingParams, EmbedRequest, "inputs")
 
 
+def _ids_of(index: int, text, kind: str) -> list:
+    """Token ids given as a list/tuple of Python or numpy integers, or a 1-D integer array."""
+    if isinstance(text, np.ndarray):
+        if text.ndim != 1 or not np.issubdtype(text.dtype, np.integer):
+            raise ValueError(f"{kind} {index} is an array of shape {text.shape} and dtype "
+                             f"{text.dtype}; expected a 1-D integer array")
+        return text.tolist()
+    if not isinstance(text, (list, tuple)):
+        raise ValueError(f"{kind} {index} is a {type(text).__name__}; expected a string or a "
+                         "list of token ids")
+    for i, t in enumerate(text):
+        if isinstance(t, bool) or not isinstance(t, numbers.Integral):
+            raise ValueError(f"{kind} {index}: token {i} is {t!r} ({type(t).__name__}); "
+                             "expected an integer token id")
+    return [int(t) for t in text]
+
+
 def tokenize(index: int, text, tokenizer, vocab: int, kind: str) -> list:
-    """A string or token-id list -> checked token ids; `kind` ("prompt", "input") names it."""
+    """A string or token ids -> checked token ids; `kind` ("prompt", "input") names it."""
     if isinstance(text, str):
         if tokenizer is None:
             raise ValueError(f"{kind} {index} is a string but the model has no tokenizer; "
                              "pass token ids")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(f"{kind} {index} is not valid Unicode ({e.reason} at character "
+                             f"{e.start})") from None
         ids = tokenizer.encode(text) if text else []
     else:
-        ids = [int(t) for t in text]
+        ids = _ids_of(index, text, kind)
     if not ids:
         raise ValueError(f"{kind} {index} is empty")
     bad = [t for t in ids if not 0 <= t < vocab]
@@ -96,7 +127,11 @@ class InputProcessor:
         if sp.logprobs is not None and sp.logprobs > self.config.max_logprobs:
             raise ValueError(f"logprobs={sp.logprobs} exceeds max_logprobs="
                              f"{self.config.max_logprobs}")
-        ids = tokenize(index, request.prompt, self.tokenizer, self.model_cfg.vocab_size, "prompt")
+        vocab = self.model_cfg.vocab_size
+        ids = tokenize(index, request.prompt, self.tokenizer, vocab, "prompt")
+        bad = [t for t in sp.stop_token_ids if t >= vocab]
+        if bad:
+            raise ValueError(f"prompt {index}: stop token id {bad[0]} outside [0, {vocab})")
         if len(ids) >= self.config.max_model_len:
             raise ValueError(f"prompt {index} has {len(ids)} tokens; max_model_len="
                              f"{self.config.max_model_len} leaves no room to generate")

@@ -2,7 +2,8 @@
 
 In: a `sched.Request` and the tokenizer that decodes generated ids (None: no text). Out: a
 `RequestOutput` (token ids, text, log-probs as asked, finish reason, timing metrics) or an
-`EmbeddingOutput` (the vector `[d]`, metrics).
+`EmbeddingOutput` (the vector `[d]`, metrics); `error_output` for a request the engine failed
+alone (its `error` says why).
 """
 from __future__ import annotations
 
@@ -32,3 +33,15 @@ def make_output(req: Request, tokenizer) -> RequestOutput | EmbeddingOutput:
                    preemptions=req.num_preemptions)
     return RequestOutput(req.request_id, req.prompt_token_ids, list(req.output_token_ids),
                          text, req.finish_reason, logprobs, metrics)
+
+
+def error_output(req: Request) -> RequestOutput | EmbeddingOutput:
+    """The output of a request the engine failed alone: `finish_reason="error"`, no result."""
+    message = f"request {req.request_id}: {type(req.error).__name__}: {req.error}"
+    metrics = dict(arrival_time=req.arrival_time, finish_time=req.finish_time,
+                   latency_s=_since_arrival(req, req.finish_time))
+    if req.is_embed:
+        return EmbeddingOutput(req.request_id, req.prompt_token_ids, None, "error", metrics,
+                               error=message)
+    return RequestOutput(req.request_id, req.prompt_token_ids, list(req.output_token_ids), None,
+                         "error", None, metrics, error=message)
