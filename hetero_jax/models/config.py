@@ -1,6 +1,10 @@
-"""Static description of a Llama-family decoder, read from a Hugging Face `config.json`.
+"""Static description of a Llama-family decoder, read from a Hugging Face `config.json`, and
+the checked JSON reading every model file goes through.
 
-`ModelConfig` is frozen and hashable: it is a static argument of every jitted function.
+`ModelConfig` is frozen and hashable: it is a static argument of every jitted function. A file
+that is not valid JSON, lacks a key or holds a size that is not a positive integer fails with a
+ValueError naming the file and the key (`read_json`, `positive_int`), never a JSONDecodeError
+or KeyError.
 """
 from __future__ import annotations
 
@@ -35,8 +39,13 @@ class ModelConfig:
     eos_token_ids: tuple = ()
 
     def __post_init__(self):
-        assert self.num_heads % self.num_kv_heads == 0, (
-            f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}")
+        for name in _SIZES:
+            _check_positive(name, getattr(self, name), int)
+        for name in ("rms_norm_eps", "rope_theta"):
+            _check_positive(name, getattr(self, name), (int, float))
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads={self.num_heads} must be a multiple of "
+                             f"num_kv_heads={self.num_kv_heads}")
 
     @property
     def num_params(self) -> int:
@@ -47,14 +56,60 @@ class ModelConfig:
         return v * d * (1 if self.tie_word_embeddings else 2) + self.num_layers * per_layer + d
 
 
-def _rope_scaling(raw: dict | None) -> tuple:
+_SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+          "num_kv_heads", "head_dim", "max_position_embeddings")
+_LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor",
+                     "original_max_position_embeddings")
+
+
+def _check_positive(name: str, value, kind, where: str = "") -> None:
+    if isinstance(value, bool) or not isinstance(value, kind) or value <= 0:
+        what = "integer" if kind is int else "number"
+        raise ValueError(f"{where}{name}={value!r} must be a positive {what}")
+
+
+def read_json(path: str, kind: type = dict):
+    """The JSON value of the file `path`, which must be a `kind` (dict or list)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            raw = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from e
+    if not isinstance(raw, kind):
+        raise ValueError(f"{path}: expected a JSON {'object' if kind is dict else 'list'}, "
+                         f"got {type(raw).__name__}")
+    return raw
+
+
+def require(raw: dict, key: str, source: str):
+    """raw[key], or a ValueError naming `source` (the file, and where in it) and the key."""
+    if key not in raw:
+        raise ValueError(f"{source} missing key {key!r}")
+    return raw[key]
+
+
+def positive_int(raw: dict, key: str, source: str, default: int | None = None) -> int:
+    """raw[key] as a positive int (`default` when absent or null, unless that is None)."""
+    value = raw.get(key)
+    if value is None and default is None:
+        raise ValueError(f"{source} missing key {key!r}")
+    value = default if value is None else value
+    _check_positive(key, value, int, f"{source} ")
+    return value
+
+
+def _rope_scaling(raw: dict | None, source: str) -> tuple:
     if not raw:
         return ()
+    if not isinstance(raw, dict):
+        raise ValueError(f"{source} rope_scaling={raw!r} must be a JSON object")
     kind = raw.get("rope_type", raw.get("type"))
     if kind in (None, "default"):
         return ()
     if kind != "llama3":
-        raise ValueError(f"unsupported rope_scaling type {kind!r}; supported: 'llama3'")
+        raise ValueError(f"{source} unsupported rope_scaling type {kind!r}; supported: 'llama3'")
+    for key in _LLAMA3_ROPE_KEYS:
+        require(raw, key, f"{source} rope_scaling")
     return tuple(sorted((k, v) for k, v in raw.items() if k != "type"))
 
 
@@ -73,33 +128,34 @@ def model_config_from_hf(hf: dict, source: str = "config.json") -> ModelConfig:
                          f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
     if hf.get("attention_bias") or hf.get("mlp_bias"):
         raise ValueError(f"{source}: attention_bias/mlp_bias in a {arch} is not supported")
-    heads = hf["num_attention_heads"]
+    where = f"{source}:"
+    hidden, heads = positive_int(hf, "hidden_size", where), positive_int(hf, "num_attention_heads",
+                                                                         where)
     rope_params = hf.get("rope_parameters") or {}
-    window = hf.get("sliding_window") if hf.get("use_sliding_window", True) else None
-    return ModelConfig(
-        vocab_size=hf["vocab_size"],
-        hidden_size=hf["hidden_size"],
-        intermediate_size=hf["intermediate_size"],
-        num_layers=hf["num_hidden_layers"],
-        num_heads=heads,
-        num_kv_heads=hf.get("num_key_value_heads") or heads,
-        head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+    fields = dict(
+        vocab_size=positive_int(hf, "vocab_size", where), hidden_size=hidden,
+        intermediate_size=positive_int(hf, "intermediate_size", where),
+        num_layers=positive_int(hf, "num_hidden_layers", where), num_heads=heads,
+        num_kv_heads=positive_int(hf, "num_key_value_heads", where, heads),
+        head_dim=positive_int(hf, "head_dim", where, hidden // heads),
         rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
         rope_theta=hf.get("rope_theta", rope_params.get("rope_theta", 10000.0)),
-        rope_scaling=_rope_scaling(hf.get("rope_scaling") or rope_params),
-        max_position_embeddings=hf.get("max_position_embeddings", 4096),
+        rope_scaling=_rope_scaling(hf.get("rope_scaling") or rope_params, where),
+        max_position_embeddings=positive_int(hf, "max_position_embeddings", where, 4096),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         qkv_bias=arch == "Qwen2ForCausalLM",
-        sliding_window=window,
+        sliding_window=hf.get("sliding_window") if hf.get("use_sliding_window", True) else None,
         architecture=arch,
         bos_token_id=hf.get("bos_token_id"),
-        eos_token_ids=_eos_ids(hf.get("eos_token_id")),
-    )
+        eos_token_ids=_eos_ids(hf.get("eos_token_id")))
+    try:
+        return ModelConfig(**fields)
+    except ValueError as e:  # a relation between fields (heads) or a non-numeric norm/theta
+        raise ValueError(f"{source}: {e}") from e
 
 
 def read_hf_config(model_dir: str) -> dict:
     path = os.path.join(model_dir, "config.json")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path} not found: a model directory needs a config.json")
-    with open(path) as f:
-        return json.load(f)
+    return read_json(path)

@@ -1,10 +1,15 @@
 """Tokenizers: a byte-level one for the embedded presets, Hugging Face's for model directories.
 
 Both expose `encode(text) -> list[int]`, `decode(ids) -> str`, `eos_token_ids`, `bos_token_id`.
+A model directory's tokenizer is built from its files only: code it ships (an `auto_map` in
+`tokenizer_config.json` or `config.json`) is never imported and never asked about; a tokenizer
+that needs it fails with a ValueError naming the directory.
 """
 from __future__ import annotations
 
 import os
+
+from hetero_jax.models.config import read_json
 
 
 class ByteTokenizer:
@@ -25,13 +30,29 @@ class ByteTokenizer:
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
 
 
+def _auto_maps(model_dir: str) -> list:
+    """The files of `model_dir` whose `auto_map` points transformers at code in the directory."""
+    files = ("tokenizer_config.json", "config.json")
+    return [f for f in files if os.path.isfile(os.path.join(model_dir, f))
+            and "auto_map" in read_json(os.path.join(model_dir, f))]
+
+
 class HFTokenizer:
-    """transformers.AutoTokenizer from local files only."""
+    """transformers.AutoTokenizer from local files only, with the library's built-in classes."""
 
     def __init__(self, model_dir: str, eos_token_ids: tuple):
         from transformers import AutoTokenizer
 
-        self._tok = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+        try:  # trust_remote_code=False: no prompt on a terminal, no import from model_dir
+            self._tok = AutoTokenizer.from_pretrained(model_dir, local_files_only=True,
+                                                      trust_remote_code=False)
+        except (ValueError, OSError) as e:
+            custom = _auto_maps(model_dir)
+            if not custom:
+                raise
+            raise ValueError(f"{model_dir}: the tokenizer needs custom code (auto_map in "
+                             f"{', '.join(custom)}) and transformers has no built-in class "
+                             f"for it; hetero-jax never runs code from a model directory") from e
         self.bos_token_id = self._tok.bos_token_id
         own = () if self._tok.eos_token_id is None else (self._tok.eos_token_id,)
         self.eos_token_ids = tuple(dict.fromkeys(eos_token_ids + own))

@@ -1,15 +1,25 @@
-"""Engine-native checkpoints with orbax: `params/` (the pytree), `model.json`, `tokenizer/`."""
+"""Engine-native checkpoints with orbax: `params/` (the pytree), `model.json`, `tokenizer/`.
+
+`save` writes them from `Engine.save`. `load` (for `Engine.load`) reads `model.json` (the
+model config and the tokenizer kind), compares the shapes the orbax metadata records with the
+shapes the config implies (`llama.param_shapes`) before restoring anything, restores, and checks
+the restored arrays again, so an edited config never reaches the engine. A bad file fails with
+a short ValueError/FileNotFoundError naming the file and the key; the library's error is chained.
+"""
 from __future__ import annotations
 
 import dataclasses
 import json
 import os
 
-import jax
+import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
-from hetero_jax.models.config import ModelConfig
+from hetero_jax.models import llama
+from hetero_jax.models.config import ModelConfig, read_json, require
 from hetero_jax.models.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
+
+TOKENIZER_KINDS = ("byte", "hf", "none")
 
 
 def save(path: str, model_cfg: ModelConfig, params, tokenizer) -> None:
@@ -24,25 +34,105 @@ def save(path: str, model_cfg: ModelConfig, params, tokenizer) -> None:
         json.dump({"model_config": dataclasses.asdict(model_cfg), "tokenizer": kind}, f, indent=1)
 
 
-def _model_config(raw: dict) -> ModelConfig:
-    raw = dict(raw, rope_scaling=tuple(tuple(kv) for kv in raw["rope_scaling"]),
-               eos_token_ids=tuple(raw["eos_token_ids"]))
-    return ModelConfig(**raw)
+def _model_config(meta: dict, meta_path: str) -> ModelConfig:
+    where = f"{meta_path}: model_config"
+    raw = require(meta, "model_config", f"{meta_path}:")
+    if not isinstance(raw, dict):
+        raise ValueError(f"{where} is not a JSON object")
+    fields = {f.name: f for f in dataclasses.fields(ModelConfig)}
+    unknown = sorted(set(raw) - set(fields))
+    if unknown:
+        raise ValueError(f"{where} has unknown keys {unknown}")
+    for name in (n for n, f in fields.items() if f.default is dataclasses.MISSING):
+        require(raw, name, where)
+    try:
+        return ModelConfig(**dict(
+            raw, rope_scaling=tuple(tuple(kv) for kv in raw.get("rope_scaling", ())),
+            eos_token_ids=tuple(raw.get("eos_token_ids", ()))))
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{where}: {e}") from e
+
+
+def _flat(tree: dict, prefix: str = "") -> dict:
+    """{"embed": leaf, "layers.wq": leaf, ...} of a nested dict."""
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[prefix + key] = value
+    return out
+
+
+def check_params(found: dict, cfg: ModelConfig, where: str, cfg_source: str) -> None:
+    """`found` maps flat param names to (shape, dtype); each must be the float array of the
+    shape `llama.param_shapes(cfg)` gives, and no param may be missing or extra."""
+    want = _flat(llama.param_shapes(cfg))
+    for name in sorted(set(want) | set(found)):
+        if name not in found:
+            raise ValueError(f"{where}: param {name} missing; {cfg_source} expects {want[name]}")
+        if name not in want:
+            raise ValueError(f"{where}: param {name} is not in the model {cfg_source} describes")
+        shape, dtype = found[name]
+        if tuple(shape) != want[name]:
+            raise ValueError(f"{where}: param {name} has shape {tuple(shape)}; {cfg_source} "
+                             f"expects {want[name]}")
+        if not jnp.issubdtype(dtype, jnp.floating):
+            raise ValueError(f"{where}: param {name} has dtype {dtype}, not a float type")
+
+
+def _short(e: Exception) -> str:
+    """The first line of an error, cut short (TensorStore errors run to kilobytes)."""
+    lines = str(e).splitlines()
+    return f"{type(e).__name__}: {lines[0][:120] if lines else ''}"
+
+
+def _saved_shapes(ckpt, params_dir: str) -> dict:
+    """Flat param name -> (shape, dtype) from the orbax metadata, without reading arrays."""
+    if not os.path.isdir(params_dir):
+        raise FileNotFoundError(f"{params_dir} not found: the checkpoint has no params")
+    try:
+        meta = ckpt.metadata(params_dir).item_metadata
+    except Exception as e:  # orbax and TensorStore raise many types
+        raise ValueError(f"{params_dir}: cannot read the orbax metadata ({_short(e)})") from e
+    tree = getattr(meta, "tree", None)
+    if not isinstance(tree, dict):
+        raise ValueError(f"{params_dir}: cannot read the orbax metadata (_METADATA or the "
+                         f"manifest is missing or corrupt)")
+    return {name: (m.shape, m.dtype) for name, m in _flat(tree).items()}
+
+
+def _tokenizer(kind: str, path: str, cfg: ModelConfig):
+    if kind == "byte":
+        return ByteTokenizer()
+    if kind == "none":
+        return None
+    tokenizer = load_tokenizer(os.path.join(path, "tokenizer"), cfg.eos_token_ids)
+    if tokenizer is None:
+        raise FileNotFoundError(f"{os.path.join(path, 'tokenizer')} has no tokenizer files; "
+                                f"model.json says tokenizer 'hf'")
+    return tokenizer
 
 
 def load(path: str):
-    """-> (ModelConfig, params, tokenizer or None)."""
+    """-> (ModelConfig, params, tokenizer or None), every param checked against the config."""
     path = os.path.abspath(path)
-    meta_path = os.path.join(path, "model.json")
+    meta_path, params_dir = os.path.join(path, "model.json"), os.path.join(path, "params")
     if not os.path.isfile(meta_path):
         raise FileNotFoundError(f"{meta_path} not found: not a hetero-jax checkpoint")
-    with open(meta_path) as f:
-        meta = json.load(f)
-    cfg = _model_config(meta["model_config"])
+    meta = read_json(meta_path)
+    kind = require(meta, "tokenizer", f"{meta_path}:")
+    if kind not in TOKENIZER_KINDS:
+        raise ValueError(f"{meta_path}: tokenizer {kind!r} is not one of "
+                         f"{', '.join(TOKENIZER_KINDS)}")
+    cfg = _model_config(meta, meta_path)
     with ocp.StandardCheckpointer() as ckpt:
-        params = ckpt.restore(os.path.join(path, "params"))
-    params = jax.tree.map(lambda x: x, params)
-    tokenizer = {"byte": lambda: ByteTokenizer(), "none": lambda: None,
-                 "hf": lambda: load_tokenizer(os.path.join(path, "tokenizer"), cfg.eos_token_ids)
-                 }[meta["tokenizer"]]()
-    return cfg, params, tokenizer
+        check_params(_saved_shapes(ckpt, params_dir), cfg, params_dir, meta_path)
+        try:
+            params = ckpt.restore(params_dir)
+        except Exception as e:  # orbax and TensorStore raise many types
+            raise ValueError(f"{params_dir}: cannot restore the orbax checkpoint "
+                             f"({_short(e)})") from e
+    check_params({k: (v.shape, v.dtype) for k, v in _flat(params).items()}, cfg, params_dir,
+                 meta_path)
+    return cfg, params, _tokenizer(kind, path, cfg)

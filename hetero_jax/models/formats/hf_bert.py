@@ -2,17 +2,19 @@
 
 In: a directory with `config.json` and safetensors weights (with or without the `bert.`
 prefix). Out: `(BertConfig, params)` in the layout of `models.bert`, linear weights
-transposed to `[in, out]` and layers stacked. What the encoder cannot run fails here.
+transposed to `[in, out]` and layers stacked. What the encoder cannot run fails here, and so
+does a tensor it would ignore, except the pooler, `cls.*` heads and the position_ids buffer.
 """
 from __future__ import annotations
 
 import os
+import re
 
 import jax
 import jax.numpy as jnp
 
 from hetero_jax.models.bert import BertConfig, param_shapes
-from hetero_jax.models.config import read_hf_config
+from hetero_jax.models.config import positive_int, read_hf_config
 from hetero_jax.models.formats.safetensors import load_stacked, open_checkpoint
 
 SUPPORTED_ARCHITECTURES = ("BertModel", "BertForMaskedLM", "BertForPreTraining")
@@ -52,22 +54,31 @@ def bert_config_from_hf(hf: dict, source: str = "config.json") -> BertConfig:
     if pos_type != "absolute":
         raise ValueError(f"{source}: position_embedding_type {pos_type!r} is not supported; "
                          f"supported: 'absolute'")
+    where = f"{source}:"
+    hidden, heads = positive_int(hf, "hidden_size", where), positive_int(hf, "num_attention_heads",
+                                                                         where)
+    if hidden % heads:
+        raise ValueError(f"{source}: hidden_size={hidden} must be a multiple of "
+                         f"num_attention_heads={heads}")
     return BertConfig(
-        vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
-        num_layers=hf["num_hidden_layers"], num_heads=hf["num_attention_heads"],
-        intermediate_size=hf["intermediate_size"],
-        max_position_embeddings=hf.get("max_position_embeddings", 512),
-        type_vocab_size=hf.get("type_vocab_size", 2),
+        vocab_size=positive_int(hf, "vocab_size", where), hidden_size=hidden,
+        num_layers=positive_int(hf, "num_hidden_layers", where), num_heads=heads,
+        intermediate_size=positive_int(hf, "intermediate_size", where),
+        max_position_embeddings=positive_int(hf, "max_position_embeddings", where, 512),
+        type_vocab_size=positive_int(hf, "type_vocab_size", where, 2),
         layer_norm_eps=hf.get("layer_norm_eps", 1e-12), hidden_act=act)
 
 
 def load_bert_params(model_dir: str, cfg: BertConfig, dtype) -> dict:
     tensors = open_checkpoint(model_dir)
     prefix = "bert." if "bert." + _TOP_NAMES["word_embed"] in tensors else ""
+    # The heads the encoder does not run (pooler, MLM and NSP heads) and the position_ids buffer.
+    unused = re.compile(rf"{re.escape(prefix)}(?:pooler\..+|embeddings\.position_ids)|cls\..+")
     params = load_stacked(tensors, param_shapes(cfg),
                           {k: prefix + name for k, name in _TOP_NAMES.items()},
                           lambda i, key: f"{prefix}encoder.layer.{i}.{_LAYER_NAMES[key]}",
-                          lambda key: key.startswith("w") and key in _LAYER_NAMES)
+                          lambda key: key.startswith("w") and key in _LAYER_NAMES,
+                          unused.fullmatch)
     return jax.tree.map(lambda x: jnp.asarray(x, dtype), params)
 
 

@@ -2,13 +2,16 @@
 
 In: a directory with `config.json` and `model.safetensors` (or a sharded
 `model.safetensors.index.json`). Out: `(ModelConfig, params)` with layer weights stacked on a
-leading axis and transposed to `[in, out]` (`llama.param_shapes`). `export_hf_model` is the
-inverse, for the transformers baseline and the tests.
+leading axis and transposed to `[in, out]` (`llama.param_shapes`). A tensor the config does
+not account for (a layer past `num_hidden_layers`, an unknown name) is an error; a tied model
+may ship an `lm_head.weight` of the embedding's shape. `export_hf_model` is the inverse, for
+the transformers baseline and the tests.
 """
 from __future__ import annotations
 
 import json
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -32,10 +35,30 @@ _TOP_NAMES = {"embed": "model.embed_tokens.weight", "final_norm": "model.norm.we
               "lm_head": "lm_head.weight"}
 
 
+# Buffers some checkpoints carry that the model recomputes.
+_UNUSED = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
+
+
+def _tied_head_unused(tensors: dict, cfg: ModelConfig) -> bool:
+    """Whether the checkpoint ships an `lm_head.weight` that tied embeddings leave unused (it
+    must then have the embedding's shape)."""
+    name = _TOP_NAMES["lm_head"]
+    if not cfg.tie_word_embeddings or name not in tensors:
+        return False
+    shape, want = tensors[name].shape(name), (cfg.vocab_size, cfg.hidden_size)
+    if shape != want:
+        raise ValueError(f"{tensors[name].path}: tensor {name} has shape {shape}, the tied "
+                         f"embeddings of the config are {want}")
+    return True
+
+
 def load_params(model_dir: str, cfg: ModelConfig, dtype) -> dict:
-    params = load_stacked(open_checkpoint(model_dir), param_shapes(cfg), _TOP_NAMES,
+    tensors = open_checkpoint(model_dir)
+    tied_head = _TOP_NAMES["lm_head"] if _tied_head_unused(tensors, cfg) else None
+    params = load_stacked(tensors, param_shapes(cfg), _TOP_NAMES,
                           lambda i, key: f"model.layers.{i}.{_LAYER_NAMES[key]}",
-                          lambda key: key == "lm_head" or key.startswith("w"))
+                          lambda key: key == "lm_head" or key.startswith("w"),
+                          lambda name: name == tied_head or _UNUSED.fullmatch(name))
     return jax.tree.map(lambda x: jnp.asarray(x, dtype), params)
 
 

@@ -6,14 +6,13 @@ tensor we would silently ignore is an error naming the file, the tensor and the 
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
 
 import numpy as np
 
-from hetero_jax.models.config import ModelConfig
+from hetero_jax.models.config import ModelConfig, read_json
 from hetero_jax.models.formats.safetensors import SafetensorsFile
 from hetero_jax.models.lora import LoraAdapter, projection_dims
 
@@ -31,16 +30,17 @@ _UNSUPPORTED = {"use_dora": False, "fan_in_fan_out": False, "bias": "none", "ran
 def _read_config(path: str) -> dict:
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path} not found: a PEFT LoRA adapter needs adapter_config.json")
-    with open(path) as f:
-        raw = json.load(f)
+    raw = read_json(path)
     if raw.get("peft_type", "LORA") != "LORA":
         raise ValueError(f"{path}: peft_type {raw['peft_type']!r} is not supported; only 'LORA'")
     for key, default in _UNSUPPORTED.items():
         if raw.get(key, default) not in (default, None, {}, []):
             raise ValueError(f"{path}: {key}={raw[key]!r} is not supported (only {default!r})")
-    rank = raw.get("r")
-    if not isinstance(rank, int) or rank < 1:
+    rank, alpha = raw.get("r"), raw.get("lora_alpha", 1)
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
         raise ValueError(f"{path}: r={rank!r} must be a positive integer")
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or alpha <= 0:
+        raise ValueError(f"{path}: lora_alpha={alpha!r} must be a positive number")
     return raw
 
 
@@ -49,7 +49,9 @@ def _targets(raw: dict, path: str) -> tuple:
     targets = raw.get("target_modules")
     if targets == "all-linear":
         return tuple(MODULES)
-    targets = [targets] if isinstance(targets, str) else list(targets or [])
+    if not isinstance(targets, (str, list)):
+        raise ValueError(f"{path}: target_modules {targets!r} must be a module name or a list")
+    targets = [targets] if isinstance(targets, str) else targets
     unknown = [t for t in targets if t not in MODULES]
     if unknown or not targets:
         raise ValueError(f"{path}: target_modules {unknown or targets} not supported; "
@@ -62,6 +64,8 @@ def _layers(raw: dict, path: str, num_layers: int) -> tuple:
     if layers is None:
         return tuple(range(num_layers))
     layers = [layers] if isinstance(layers, int) else layers
+    if not isinstance(layers, list) or not all(type(i) is int for i in layers):
+        raise ValueError(f"{path}: layers_to_transform {layers!r} must be layer indices")
     bad = [i for i in layers if not 0 <= i < num_layers]
     if bad:
         raise ValueError(f"{path}: layers_to_transform {bad} outside the base model's "

@@ -1,9 +1,13 @@
 """The pooling a sentence-transformers directory asks for (`modules.json`, `1_Pooling/config.json`).
+
+In: a model directory. Out: (pooling kind, normalize). A file that is not valid JSON or a
+module entry without its `type` or `path` fails naming the file and the key.
 """
 from __future__ import annotations
 
-import json
 import os
+
+from hetero_jax.models.config import read_json, require
 
 _ST_MODES = {"mean": "mean", "weightedmean": "weighted_mean", "cls": "cls", "lasttoken": "last"}
 _ST_LEGACY_KEYS = {"pooling_mode_cls_token": "cls", "pooling_mode_max_tokens": "max",
@@ -22,20 +26,24 @@ def read_sentence_transformers_pooling(model_dir: str) -> tuple[str, bool]:
     modules_path = os.path.join(model_dir, "modules.json")
     if not os.path.isfile(modules_path):
         return "mean", False
-    with open(modules_path) as f:
-        modules = json.load(f)
-    kinds = {m["type"].rsplit(".", 1)[-1]: m for m in modules}
+    kinds = {}  # module class name -> (index, entry)
+    for i, module in enumerate(read_json(modules_path, list)):
+        if not isinstance(module, dict):
+            raise ValueError(f"{modules_path}: module {i} is {module!r}, not a JSON object")
+        kind = str(require(module, "type", f"{modules_path}: module {i}"))
+        kinds[kind.rsplit(".", 1)[-1]] = i, module
     normalize = "Normalize" in kinds
     if "Pooling" not in kinds:
         return "mean", normalize
-    path = os.path.join(model_dir, kinds["Pooling"]["path"], "config.json")
+    i, module = kinds["Pooling"]
+    path = os.path.join(model_dir, str(require(module, "path", f"{modules_path}: module {i}")),
+                        "config.json")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path} not found: {modules_path} lists a Pooling module there")
-    with open(path) as f:
-        raw = json.load(f)
+    raw = read_json(path)
     modes = raw.get("pooling_mode") or [m for k, m in _ST_LEGACY_KEYS.items() if raw.get(k)]
-    modes = [modes] if isinstance(modes, str) else list(modes)
-    if len(modes) != 1 or modes[0] not in _ST_MODES:
+    modes = modes if isinstance(modes, list) else [modes]
+    if len(modes) != 1 or not isinstance(modes[0], str) or modes[0] not in _ST_MODES:
         raise ValueError(f"{path}: pooling modes {modes} are not supported; supported: exactly "
                          f"one of {', '.join(_ST_MODES)}")
     return _ST_MODES[modes[0]], normalize
