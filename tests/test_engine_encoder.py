@@ -46,5 +46,22 @@ def test_mixed_run_with_separate_encoder(hf_model, reference, policy):
     tokens = reference.encode(SENTENCES[:2], output_value="token_embeddings")
     np.testing.assert_allclose(cls, np.stack([t[0].numpy() for t in tokens]), rtol=1e-4,
                                atol=1e-5)
-    with pytest.raises(ValueError, match="input 0 has 600 tokens > the embedding limit 512"):
+    with pytest.raises(ValueError, match="input 0 has 600 tokens > the embedding limit 256"):
         engine.embed([[100] * 600], use_tqdm=False)
+
+
+@pytest.mark.parametrize("words, tokens", [(27, 299), (55, 607)])
+def test_long_inputs_are_cut_as_sentence_transformers_cuts_them(reference, words, tokens):
+    """Past max_seq_length (256) an input is refused, or with truncate=True cut to 256 tokens
+    keeping the closing [SEP], which is what sentence-transformers embeds."""
+    engine = Engine.from_preset("tiny", config=EngineConfig(max_model_len=64, token_budget=16),
+                                embed_model=str(minilm.get_model_path()))
+    text = " ".join(["Retrieval alternates search and generation, step by step."] * words)
+    n = len(engine.encoder.tokenizer.encode(text))
+    assert n == tokens
+    with pytest.raises(ValueError, match=f"input 0 has {n} tokens > the embedding limit 256"):
+        engine.embed([text], use_tqdm=False)
+    got = engine.embed([text], PoolingParams(truncate=True), use_tqdm=False)
+    want = reference.encode([text])
+    cos = np.sum(got * want, -1) / np.linalg.norm(got, axis=-1) / np.linalg.norm(want, axis=-1)
+    assert cos.min() > 0.9999, cos

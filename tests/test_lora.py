@@ -248,5 +248,8 @@ def test_engine_embeds_on_adapter_and_generates_on_base(base, hf_model, tmp_path
     assert rel_err(emb.embedding, want) < 1e-4
     plain = Engine.from_pretrained(path, config=ecfg).generate([ids[:12]], greedy, use_tqdm=False)
     assert gen.token_ids == plain[0].token_ids
+    engine.save(str(tmp_path / "ckpt"))  # the base model only: adapters stay in their dirs
+    restored = Engine.load(str(tmp_path / "ckpt"), config=ecfg)
+    assert restored.generate([ids[:12]], greedy, use_tqdm=False)[0].token_ids == gen.token_ids
     with pytest.raises(ValueError, match="unknown adapter 'other'; loaded: \\['default'\\]"):
         engine.embed([ids], PoolingParams(adapter="other"), use_tqdm=False)

@@ -1,6 +1,7 @@
 """Tokenizers: a byte-level one for the embedded presets, Hugging Face's for model directories.
 
-Both expose `encode(text) -> list[int]`, `decode(ids) -> str`, `eos_token_ids`, `bos_token_id`.
+Both expose `encode(text) -> list[int]`, `decode(ids) -> str`, `eos_token_ids`, `bos_token_id`
+and `special_token_ids` (what truncation keeps at the end of an input).
 A model directory's tokenizer is built from its files only: code it ships (an `auto_map` in
 `tokenizer_config.json` or `config.json`) is never imported and never asked about; a tokenizer
 that needs it fails with a ValueError naming the directory.
@@ -22,6 +23,10 @@ class ByteTokenizer:
     @property
     def eos_token_ids(self) -> tuple:
         return (self.eos_token_id,)
+
+    @property
+    def special_token_ids(self) -> frozenset:
+        return frozenset((self.bos_token_id, self.eos_token_id))
 
     def encode(self, text: str) -> list[int]:
         return [self.bos_token_id] + list(text.encode("utf-8"))
@@ -56,6 +61,7 @@ class HFTokenizer:
         self.bos_token_id = self._tok.bos_token_id
         own = () if self._tok.eos_token_id is None else (self._tok.eos_token_id,)
         self.eos_token_ids = tuple(dict.fromkeys(eos_token_ids + own))
+        self.special_token_ids = frozenset(self._tok.all_special_ids)
 
     def encode(self, text: str) -> list[int]:
         return list(self._tok.encode(text))

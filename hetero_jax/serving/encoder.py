@@ -2,8 +2,9 @@
 
 In: a local sentence-transformers / Hugging Face BERT directory. Out: a `SeparateEncoder`
 whose `runner` embeds the scheduler's encoder items and whose `embedding_model` is what the
-input processor checks embedding inputs against (its tokenizer, vocabulary, position limit
-and the directory's pooling and normalisation).
+input processor checks embedding inputs against: its tokenizer and vocabulary, its input limit
+(sentence-transformers' `max_seq_length`, within the position limit) and the directory's
+pooling and normalisation.
 """
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ import dataclasses
 import jax.numpy as jnp
 
 from hetero_jax.models.formats.hf_bert import load_bert
-from hetero_jax.models.formats.sentence_transformers import read_sentence_transformers_pooling
+from hetero_jax.models.formats.sentence_transformers import (read_max_seq_length,
+                                                             read_sentence_transformers_pooling)
 from hetero_jax.models.tokenizer import load_tokenizer
 from hetero_jax.runner.encoder import EncoderRunner
 from hetero_jax.serving.input_processor import EmbeddingModel
@@ -24,14 +26,18 @@ class SeparateEncoder:
     tokenizer: object
     pooling: str
     normalize: bool
+    max_len: int  # sentence-transformers' max_seq_length, at most the position limit
 
     @classmethod
     def from_pretrained(cls, model_dir: str, dtype=jnp.float32) -> "SeparateEncoder":
         cfg, params = load_bert(model_dir, dtype)
         pooling, normalize = read_sentence_transformers_pooling(model_dir)
-        return cls(EncoderRunner(cfg, params), load_tokenizer(model_dir, ()), pooling, normalize)
+        limit = min(read_max_seq_length(model_dir) or cfg.max_position_embeddings,
+                    cfg.max_position_embeddings)
+        return cls(EncoderRunner(cfg, params), load_tokenizer(model_dir, ()), pooling, normalize,
+                   limit)
 
     @property
     def embedding_model(self) -> EmbeddingModel:
-        return EmbeddingModel(self.tokenizer, self.runner.cfg.vocab_size, self.runner.max_len,
+        return EmbeddingModel(self.tokenizer, self.runner.cfg.vocab_size, self.max_len,
                               self.pooling, self.normalize, on_decoder=False)

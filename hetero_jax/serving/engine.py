@@ -100,8 +100,11 @@ class Engine(BatchAPI):
                    encoder, adapters)
 
     def save(self, path: str) -> None:
-        """An engine-native checkpoint (orbax): params, model config and tokenizer."""
-        checkpoint.save(path, self.model_cfg, stack_layers(self.runner.params), self.tokenizer)
+        """An engine-native checkpoint (orbax): the base params, model config and tokenizer.
+        LoRA adapters are not saved: load them again from their PEFT directories."""
+        params = stack_layers(self.runner.params)
+        layers = {k: v for k, v in params["layers"].items() if not k.startswith("lora_")}
+        checkpoint.save(path, self.model_cfg, dict(params, layers=layers), self.tokenizer)
 
     @classmethod
     def load(cls, path: str, config: EngineConfig | None = None) -> "Engine":

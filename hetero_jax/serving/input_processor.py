@@ -100,6 +100,15 @@ def tokenize(index: int, text, tokenizer, vocab: int, kind: str) -> list:
     return ids
 
 
+def truncate(ids: list, limit: int, tokenizer) -> list:
+    """The first `limit` ids; a closing special token (BERT's [SEP]) stays last, as the
+    tokenizer's own truncation keeps it."""
+    if len(ids) <= limit:
+        return ids
+    special = getattr(tokenizer, "special_token_ids", frozenset())
+    return ids[:limit - 1] + ids[-1:] if ids[-1] in special else ids[:limit]
+
+
 @dataclasses.dataclass(frozen=True)
 class EmbeddingModel:
     """What embedding inputs are checked against: the model that embeds them."""
@@ -150,7 +159,7 @@ class InputProcessor:
                 raise ValueError(f"input {index} has {len(ids)} tokens > the embedding limit "
                                  f"{model.max_len} (PoolingParams(truncate=True) keeps the "
                                  "first ones)")
-            ids = ids[:model.max_len]
+            ids = truncate(ids, model.max_len, model.tokenizer)
         pooling = pp.pooling or model.pooling
         normalize = model.normalize if pp.normalize is None else pp.normalize
         if pooling == "buffered" and not (model.on_decoder and self.config.buffered_head):

@@ -1,6 +1,7 @@
-"""The pooling a sentence-transformers directory asks for (`modules.json`, `1_Pooling/config.json`).
+"""What a sentence-transformers directory asks for: its pooling (`modules.json`,
+`1_Pooling/config.json`) and its input limit (`sentence_bert_config.json`).
 
-In: a model directory. Out: (pooling kind, normalize). A file that is not valid JSON or a
+In: a model directory. Out: (pooling kind, normalize); `max_seq_length` or None. A file that is not valid JSON or a
 module entry without its `type` or `path` fails naming the file and the key.
 """
 from __future__ import annotations
@@ -47,3 +48,16 @@ def read_sentence_transformers_pooling(model_dir: str) -> tuple[str, bool]:
         raise ValueError(f"{path}: pooling modes {modes} are not supported; supported: exactly "
                          f"one of {', '.join(_ST_MODES)}")
     return _ST_MODES[modes[0]], normalize
+
+
+def read_max_seq_length(model_dir: str) -> int | None:
+    """`max_seq_length` of `sentence_bert_config.json` (the tokens sentence-transformers keeps
+    of an input), or None when the directory has no such file or key."""
+    path = os.path.join(model_dir, "sentence_bert_config.json")
+    if not os.path.isfile(path):
+        return None
+    value = read_json(path).get("max_seq_length")
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                              or value < 1):
+        raise ValueError(f"{path}: max_seq_length={value!r} must be a positive integer")
+    return value
