@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import os
 import sys
 import time
@@ -31,6 +30,7 @@ from hetero_jax.bench.loop import (DedicatedFront, closed_loop, counters, counte
                                    summarize)
 from hetero_jax.bench.report import COLUMNS, NOTES, plot_results
 from hetero_jax.bench.workloads import MixedWorkload, synthetic_iter_retgen
+from hetero_jax.sim.cli import write_json
 from hetero_jax.sim.report import format_table
 
 
@@ -203,12 +203,10 @@ def bench_main(argv=None) -> int:
     config = dict(dataclasses.asdict(cfg), wall_s=time.perf_counter() - start,
                   setup_s=result["setup_s"], load_start=load0, load_end=os.getloadavg()[0])
     _print_results(cfg, rows, config)
-    for path in filter(None, (cfg.json, cfg.plot)):
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     if cfg.json:
-        with open(cfg.json, "w") as f:
-            json.dump(dict(config=config, results=rows), f, indent=1, default=str)
+        write_json(cfg.json, dict(config=config, results=rows), indent=1, default=str)
     if cfg.plot:
+        os.makedirs(os.path.dirname(os.path.abspath(cfg.plot)), exist_ok=True)
         plot_results(rows, cfg.plot, title=_title(cfg))
     return 0
 

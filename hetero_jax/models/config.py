@@ -40,9 +40,9 @@ class ModelConfig:
 
     def __post_init__(self):
         for name in _SIZES:
-            _check_positive(name, getattr(self, name), int)
+            check_positive(name, getattr(self, name), int)
         for name in ("rms_norm_eps", "rope_theta"):
-            _check_positive(name, getattr(self, name), (int, float))
+            check_positive(name, getattr(self, name), (int, float))
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads={self.num_heads} must be a multiple of "
                              f"num_kv_heads={self.num_kv_heads}")
@@ -62,7 +62,9 @@ _LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor",
                      "original_max_position_embeddings")
 
 
-def _check_positive(name: str, value, kind, where: str = "") -> None:
+def check_positive(name: str, value, kind=int, where: str = "") -> None:
+    """A positive `kind` (int, or (int, float) for a number), never a bool; else a ValueError
+    that starts with `where` (the file)."""
     if isinstance(value, bool) or not isinstance(value, kind) or value <= 0:
         what = "integer" if kind is int else "number"
         raise ValueError(f"{where}{name}={value!r} must be a positive {what}")
@@ -94,7 +96,7 @@ def positive_int(raw: dict, key: str, source: str, default: int | None = None) -
     if value is None and default is None:
         raise ValueError(f"{source} missing key {key!r}")
     value = default if value is None else value
-    _check_positive(key, value, int, f"{source} ")
+    check_positive(key, value, int, f"{source} ")
     return value
 
 

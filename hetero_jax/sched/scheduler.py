@@ -182,9 +182,10 @@ class Scheduler:
                 self.policy.chose(plan)
                 break
         entries = sorted(step.entries.values(), key=lambda e: KIND_ORDER[e.kind])
-        encoder = [self._snapshot(e) for e in entries if e.request.is_embed and self.on_encoder]
-        decoder = [self._snapshot(e) for e in entries if not (e.request.is_embed
-                                                              and self.on_encoder)]
+        decoder, encoder = [], []
+        for e in entries:
+            (encoder if e.request.is_embed and self.on_encoder else decoder).append(
+                self._snapshot(e))
         out = SchedulerOutput(decoder, step.preempted, encoder)
         self._check(out)
         return out

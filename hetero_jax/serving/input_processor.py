@@ -134,7 +134,7 @@ class InputProcessor:
             return self._embed(index, request_id, request)
         sp = request.params
         if sp.logprobs is not None and sp.logprobs > self.config.max_logprobs:
-            raise ValueError(f"logprobs={sp.logprobs} exceeds max_logprobs="
+            raise ValueError(f"prompt {index}: logprobs={sp.logprobs} exceeds max_logprobs="
                              f"{self.config.max_logprobs}")
         vocab = self.model_cfg.vocab_size
         ids = tokenize(index, request.prompt, self.tokenizer, vocab, "prompt")

@@ -12,7 +12,7 @@ import re
 
 import numpy as np
 
-from hetero_jax.models.config import ModelConfig, read_json
+from hetero_jax.models.config import ModelConfig, check_positive, read_json
 from hetero_jax.models.formats.safetensors import SafetensorsFile
 from hetero_jax.models.lora import LoraAdapter, projection_dims
 
@@ -36,11 +36,9 @@ def _read_config(path: str) -> dict:
     for key, default in _UNSUPPORTED.items():
         if raw.get(key, default) not in (default, None, {}, []):
             raise ValueError(f"{path}: {key}={raw[key]!r} is not supported (only {default!r})")
-    rank, alpha = raw.get("r"), raw.get("lora_alpha", 1)
-    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
-        raise ValueError(f"{path}: r={rank!r} must be a positive integer")
-    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or alpha <= 0:
-        raise ValueError(f"{path}: lora_alpha={alpha!r} must be a positive number")
+    check_positive("r", raw.get("r"), int, f"{path}: ")
+    if "lora_alpha" in raw:
+        check_positive("lora_alpha", raw["lora_alpha"], (int, float), f"{path}: ")
     return raw
 
 

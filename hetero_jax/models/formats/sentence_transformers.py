@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 
-from hetero_jax.models.config import read_json, require
+from hetero_jax.models.config import check_positive, read_json, require
 
 _ST_MODES = {"mean": "mean", "weightedmean": "weighted_mean", "cls": "cls", "lasttoken": "last"}
 _ST_LEGACY_KEYS = {"pooling_mode_cls_token": "cls", "pooling_mode_max_tokens": "max",
@@ -57,7 +57,6 @@ def read_max_seq_length(model_dir: str) -> int | None:
     if not os.path.isfile(path):
         return None
     value = read_json(path).get("max_seq_length")
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                              or value < 1):
-        raise ValueError(f"{path}: max_seq_length={value!r} must be a positive integer")
+    if value is not None:
+        check_positive("max_seq_length", value, int, f"{path}: ")
     return value
