@@ -10,7 +10,7 @@ import dataclasses
 import itertools
 from collections.abc import Callable
 
-from hetero_jax.requests import INT32_MAX, require_int, require_real
+from hetero_jax.requests import INT32_MAX, require_bool, require_int, require_real
 
 _DTYPES = ("float32", "bfloat16")
 
@@ -52,6 +52,7 @@ class EngineConfig:
     page_buckets: tuple | None = None  # None: powers of four from 4 up to max_model_len pages
     chunk_seq_buckets: tuple | None = None  # None: (0, 1, max_chunk_seqs)
     seed: int = 0
+    prefix_caching: bool = True  # reuse the K/V (and pooler sums) of cached prompt prefixes
     # buffered_head(hidden [max_model_len, d], length) -> [d]: a jittable function of all of an
     # embedding input's hidden states (rows past `length` are stale), for PoolingParams(
     # pooling="buffered"). Enabling it keeps max_num_seqs x max_model_len x d floats on device.
@@ -80,6 +81,7 @@ class EngineConfig:
                               ("attention_impl", ("auto", "xla", "pallas"))):
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be one of {choices}")
+        require_bool("prefix_caching", self.prefix_caching)
         if not isinstance(self.scheduler, str):
             raise ValueError(f"scheduler={self.scheduler!r} must be a policy name (a string)")
         if self.buffered_head is not None and not callable(self.buffered_head):

@@ -16,7 +16,9 @@ class RequestOutput:
     text: str | None
     finish_reason: str  # "stop" | "length" | "abort" | "error"
     logprobs: list | None  # per token: {"logprob", "top": [(token_id, logprob), ...]}
-    metrics: dict  # arrival_time, first_token_time, finish_time, ttft_s, latency_s, preemptions
+    # arrival_time, first_token_time, finish_time, ttft_s, latency_s, preemptions, and
+    # cached_tokens: prompt tokens found in the prefix cache (not computed)
+    metrics: dict
     error: str | None = None  # with finish_reason "error": what failed this request alone
 
 
@@ -26,7 +28,7 @@ class EmbeddingOutput:
     prompt_token_ids: list
     embedding: object  # np.ndarray [d] float32 (None with finish_reason "error")
     finish_reason: str  # "embedded" | "abort" | "error"
-    metrics: dict  # arrival_time, finish_time, latency_s
+    metrics: dict  # arrival_time, finish_time, latency_s, cached_tokens
     error: str | None = None  # with finish_reason "error": what failed this request alone
 
 
@@ -39,3 +41,14 @@ class EngineStats:
     preemptions: int = 0
     compiles: int = 0
     compile_s: float = 0.0  # part of step_time_s spent compiling new variants
+    # prefix cache: admissions that looked up, the prompt tokens they asked for and found,
+    # and cached pages evicted to make room
+    cache_queries: int = 0
+    cache_query_tokens: int = 0
+    cache_hit_tokens: int = 0
+    cache_evictions: int = 0
+
+    @property
+    def cache_hit_rate(self) -> float:
+        """Cached tokens over looked-up tokens (0 before any lookup)."""
+        return self.cache_hit_tokens / self.cache_query_tokens if self.cache_query_tokens else 0.0

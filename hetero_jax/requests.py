@@ -42,14 +42,22 @@ def _set(obj, name: str, value) -> None:
     object.__setattr__(obj, name, value)
 
 
+def require_salt(value) -> None:
+    """A `cache_salt`: None or a string."""
+    if value is not None and not isinstance(value, str):
+        raise ValueError(f"cache_salt={value!r} must be a string or None, not "
+                         f"{type(value).__name__}")
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
     """How one generation request samples. `temperature=0` is greedy; `top_k=0` means all.
 
     `logprobs=k` returns, for each generated token, its log-probability and the top-k
     alternatives (of the model's distribution, before temperature); `seed` fixes the request's
-    random stream (None: fixed by the engine's seed and the request's id). Integers may be
-    numpy integers; booleans must be `bool`.
+    random stream (None: fixed by the engine's seed and the request's id). `cache_salt` keeps
+    the request's prefix-cache entries apart from requests with another salt (tenants).
+    Integers may be numpy integers; booleans must be `bool`.
     """
 
     max_tokens: int = 16
@@ -60,6 +68,7 @@ class SamplingParams:
     stop_token_ids: tuple = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    cache_salt: str | None = None
 
     def __post_init__(self):
         _set(self, "max_tokens", require_int("max_tokens", self.max_tokens, 1, INT32_MAX))
@@ -82,6 +91,7 @@ class SamplingParams:
         require_bool("ignore_eos", self.ignore_eos)
         if self.logprobs is not None:
             _set(self, "logprobs", require_int("logprobs", self.logprobs, 0, INT32_MAX))
+        require_salt(self.cache_salt)
 
 
 STREAMING_KINDS = ("mean", "weighted_mean", "cls", "last")  # incremental over chunks
@@ -98,13 +108,14 @@ class PoolingParams:
     a separate encoder's sentence-transformers configuration, else mean pooling, normalised.
     `truncate=True` keeps the first tokens of a longer input instead of rejecting it.
     `adapter` names a LoRA embedding adapter loaded with the engine (None: the engine's
-    default adapter, if any).
+    default adapter, if any). `cache_salt` as in `SamplingParams`.
     """
 
     pooling: str | None = None
     normalize: bool | None = None
     truncate: bool = False
     adapter: str | None = None
+    cache_salt: str | None = None
 
     def __post_init__(self):
         if self.pooling is not None and self.pooling not in POOLING_KINDS:
@@ -114,6 +125,7 @@ class PoolingParams:
         require_bool("truncate", self.truncate)
         if self.adapter is not None and not isinstance(self.adapter, str):
             raise ValueError(f"adapter={self.adapter!r} must be an adapter name (a string)")
+        require_salt(self.cache_salt)
 
 
 @dataclasses.dataclass(frozen=True)

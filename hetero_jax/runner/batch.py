@@ -46,7 +46,7 @@ def batch_spec(t: int, s: int, sc: int, p: int) -> StepBatch:
                             seed=jax.ShapeDtypeStruct((s,), jnp.uint32), step=i32(s)),
         pool=pooler.PoolBatch(token_slot=i32(t), item_slot=i32(sc), item_last_row=i32(sc),
                               item_first_chunk=bool_(sc), kind=i32(sc), normalize=bool_(sc),
-                              item_length=i32(sc)),
+                              item_length=i32(sc), item_hit_pages=i32(sc)),
         adapter_ids=i32(t))
 
 
@@ -71,20 +71,22 @@ def _pack_sampling(items: list, s: int) -> SamplingKnobs:
                          step=step_idx)
 
 
-def _pack_pooling(items: list, rows: list, t: int, sc: int, dummy: int) -> pooler.PoolBatch:
+def _pack_pooling(items: list, rows: list, t: int, sc: int, dummy: int,
+                  page_size: int) -> pooler.PoolBatch:
     """Pool arrays for the embedding items (the first ones of the step, in order)."""
     token_slot = np.full(t, dummy, np.int32)
     item_slot, last_row = np.full(sc, dummy, np.int32), np.zeros(sc, np.int32)
     first, normalize = np.zeros(sc, bool), np.zeros(sc, bool)
-    kind, length = np.zeros(sc, np.int32), np.zeros(sc, np.int32)
+    kind, length, hit = (np.zeros(sc, np.int32) for _ in range(3))
     for i, it in enumerate(it for it in items if it.kind == EMBED):
         lo, hi = rows[i]
         token_slot[lo:hi], item_slot[i], last_row[i] = it.pool_slot, it.pool_slot, hi - 1
-        first[i], length[i] = it.start == 0, it.start + it.num_tokens
+        first[i], length[i] = it.first_chunk, it.start + it.num_tokens
+        hit[i] = it.num_cached_tokens // page_size
         kind[i], normalize[i] = it.knobs.kind, it.knobs.normalize
     return pooler.PoolBatch(token_slot=token_slot, item_slot=item_slot, item_last_row=last_row,
                             item_first_chunk=first, kind=kind, normalize=normalize,
-                            item_length=length)
+                            item_length=length, item_hit_pages=hit)
 
 
 def pack_batch(items: list, cfg: EngineConfig) -> tuple[tuple, StepBatch]:
@@ -113,5 +115,5 @@ def pack_batch(items: list, cfg: EngineConfig) -> tuple[tuple, StepBatch]:
         meta=llama.AttnMeta(kv_lens=kv_lens, page_indices=page_indices, cu_q_lens=cu,
                             num_seqs=np.int32(len(items))),
         sample_rows=sample_rows, knobs=_pack_sampling(items, s),
-        pool=_pack_pooling(items, rows, t, sc, cfg.max_num_seqs), adapter_ids=adapter_ids)
+        pool=_pack_pooling(items, rows, t, sc, cfg.max_num_seqs, ps), adapter_ids=adapter_ids)
     return key, batch

@@ -41,10 +41,12 @@ class DeviceState:
 
     kv: llama.KVCache
     pool: pooler.PoolerState
+    sidecar: pooler.PageSidecar | None  # with prefix caching: pooler sums per KV page
 
 
 def step(params, state: DeviceState, batch: StepBatch, *, model_cfg: ModelConfig,
-         layout: PackedLayout, max_q_len: int, impl: str, interpret: bool, head=None):
+         layout: PackedLayout, max_q_len: int, impl: str, interpret: bool, page_size: int,
+         head=None):
     """One mixed forward pass -> (state, packed f32 [layout.size]).
 
     The LM head runs only on the S sampled rows; the pooler only when the step has chunk rows.
@@ -57,10 +59,14 @@ def step(params, state: DeviceState, batch: StepBatch, *, model_cfg: ModelConfig
     logits = model.apply({"params": params}, hidden[batch.sample_rows],
                          method=llama.LlamaModel.logits)  # [S, V]
     rows = sample(logits, batch.knobs, layout.num_logprobs)  # [S, 2 + 2K]
-    pool, vectors = state.pool, None
+    pool, vectors, side = state.pool, None, state.sidecar
     if layout.num_chunk_seqs:
-        pool, vectors = pooler.update(state.pool, hidden, batch.positions, batch.pool, head)
-    return DeviceState(kv, pool), layout.pack(rows, vectors)
+        pool, vectors = pooler.update(
+            state.pool, hidden, batch.positions, batch.pool, head, side,
+            batch.meta.page_indices[:layout.num_chunk_seqs], page_size)
+    if side is not None:
+        side = pooler.write_sidecar(side, hidden, batch.positions, batch.slots, page_size)
+    return DeviceState(kv, pool, side), layout.pack(rows, vectors)
 
 
 class DecoderRunner:
@@ -79,7 +85,9 @@ class DecoderRunner:
         self.state = DeviceState(
             kv=llama.KVCache.zeros(model_cfg, cfg.num_pages, cfg.page_size, dtype),
             pool=pooler.PoolerState.zeros(cfg.max_num_seqs, model_cfg.hidden_size,
-                                          cfg.max_model_len if cfg.buffered_head else 1))
+                                          cfg.max_model_len if cfg.buffered_head else 1),
+            sidecar=pooler.PageSidecar.zeros(cfg.num_pages, model_cfg.hidden_size)
+            if cfg.prefix_caching else None)
         impl = cfg.attention_impl
         self.impl = ("pallas" if backend == "gpu" else "xla") if impl == "auto" else impl
         self.interpret = self.impl == "pallas" and backend != "gpu"  # Pallas off-GPU: interpret
@@ -102,7 +110,7 @@ class DecoderRunner:
         fn = jax.jit(functools.partial(
             step, model_cfg=self.model_cfg, layout=self.layout(key),
             max_q_len=min(self.cfg.chunk_size, t), impl=self.impl, interpret=self.interpret,
-            head=self.cfg.buffered_head), donate_argnums=(1,))
+            page_size=self.cfg.page_size, head=self.cfg.buffered_head), donate_argnums=(1,))
         return fn.lower(self.params, self.state, batch_spec(t, s, sc, p)).compile()
 
     def execute(self, items: list) -> RunnerOutput:

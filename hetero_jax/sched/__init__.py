@@ -1,5 +1,5 @@
 """Host-side scheduling (pure Python, imports no jax): requests, allocators, policies, the step."""
-from hetero_jax.sched.allocators import SCRATCH_PAGE, PageAllocator, SlotAllocator
+from hetero_jax.sched.allocators import SCRATCH_PAGE, PagePool, SlotAllocator
 from hetero_jax.sched.output import (DECODE, ITEM_KINDS, KIND_ORDER, PREFILL, RunnerOutput,
                                      SampledToken, ScheduledItem, SchedulerOutput)
 from hetero_jax.sched.policies import POLICIES, Credits, Plan, Policy, make_policy
@@ -7,7 +7,7 @@ from hetero_jax.sched.request import (EMBED, GENERATE, REQUEST_KINDS, EmbedKnobs
                                       Request, Status)
 from hetero_jax.sched.scheduler import Scheduler, SchedulerConfig
 
-__all__ = ["SCRATCH_PAGE", "PageAllocator", "SlotAllocator", "Request", "Status", "EMBED",
+__all__ = ["SCRATCH_PAGE", "PagePool", "SlotAllocator", "Request", "Status", "EMBED",
            "GENERATE", "REQUEST_KINDS", "GenKnobs", "EmbedKnobs", "DECODE", "PREFILL",
            "ITEM_KINDS", "KIND_ORDER", "RunnerOutput", "SampledToken", "ScheduledItem",
            "Scheduler", "SchedulerConfig", "SchedulerOutput", "POLICIES", "Credits", "Plan",

@@ -31,6 +31,12 @@ class ScheduledItem:
     knobs: GenKnobs | EmbedKnobs | None = None
     num_output_tokens: int = 0  # generated before this item: the index of the one it samples
     pool_slot: int | None = None  # embedding chunks on the decoder
+    num_cached_tokens: int = 0  # the request's tokens found in the prefix cache (whole pages)
+
+    @property
+    def first_chunk(self) -> bool:
+        """The request's first computed item since admission (cached tokens come before it)."""
+        return self.start == self.num_cached_tokens
 
     @property
     def samples(self) -> bool:

@@ -70,6 +70,12 @@ class Request:
     finish_time: float | None = None
     embedding: object = None  # the pooled vector of a finished embedding request
     error: Exception | None = None  # why the engine failed it (finish_reason "error")
+    # Prefix caching: the chain seed (None: this request neither looks up nor registers pages),
+    # the digests of its full pages so far, and how many of them are registered / were hit.
+    cache_seed: bytes | None = None
+    block_hashes: list = dataclasses.field(default_factory=list)
+    num_registered: int = 0
+    num_cached_tokens: int = 0  # tokens its latest admission found in the cache
 
     @property
     def num_tokens(self) -> int:

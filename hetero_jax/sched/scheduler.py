@@ -32,10 +32,11 @@ import collections
 import dataclasses
 import itertools
 
-from hetero_jax.sched.allocators import PageAllocator, SlotAllocator
+from hetero_jax.sched.allocators import PagePool, SlotAllocator
 from hetero_jax.sched.output import (DECODE, EMBED, KIND_ORDER, PREFILL, RunnerOutput,
                                      SampledToken, ScheduledItem, SchedulerOutput)
 from hetero_jax.sched.policies import Plan, make_policy
+from hetero_jax.sched.prefix import PrefixCache
 from hetero_jax.sched.request import GENERATE, REQUEST_KINDS, Request, Status
 
 SCHEDULED, SKIPPED, BLOCKED = "scheduled", "skipped", "blocked"  # outcomes of one selection
@@ -52,6 +53,7 @@ class SchedulerConfig:
     max_model_len: int = 2048
     policy: str = "fcfs"  # ibs | fcfs | homogeneous
     encoder_max_seqs: int = 0  # > 0: embeddings run whole on a separate encoder, this many a step
+    prefix_caching: bool = False  # look up and register full pages (prefix.py)
 
 
 @dataclasses.dataclass
@@ -105,7 +107,8 @@ class Scheduler:
     def __init__(self, cfg: SchedulerConfig):
         self.cfg = cfg
         self.policy = make_policy(cfg.policy)
-        self.pages = PageAllocator(cfg.num_pages)
+        self.pages = PagePool(cfg.num_pages, cfg.prefix_caching)
+        self.prefix = PrefixCache(self.pages, cfg.page_size)
         self.slots = SlotAllocator(cfg.max_num_seqs)
         self.waiting = {kind: collections.deque() for kind in REQUEST_KINDS}  # arrival order
         self.running: list = []  # admission order; the newest generation one is preempted first
@@ -203,6 +206,7 @@ class Scheduler:
                 f"request {req.request_id}: {item.start=} != {req.num_computed_tokens=}")
             before = req.num_pending
             req.num_computed_tokens = item.start + item.num_tokens
+            self.prefix.computed(req)
             reason = None
             if item.kind == EMBED:
                 if item.ends:
@@ -252,17 +256,17 @@ class Scheduler:
                 step.add(_Entry(req, DECODE, req.num_computed_tokens, 1))
 
     def _candidates(self, kind: str, step: _Step):
-        """(order key, request) of the requests of `kind` that may get a chunk, in order.
-
-        The waiting head is yielded until it is admitted, so the caller stops at a BLOCKED one.
-        """
+        """(order key, request) of the requests of `kind` that may get a chunk, in order:
+        running ones, then the waiting queue (the caller stops at a BLOCKED one; one held back
+        for an in-flight prefix page is SKIPPED)."""
         for req in list(self.running):
             if (req.kind == kind and req.status is Status.RUNNING and not req.is_decoding
                     and req.request_id not in step.entries):
                 yield (0, self._admission[req.request_id]), req
-        queue = self.waiting[kind]
-        while queue and not step.preempted:  # no admissions once this step has preempted
-            yield (1, self._arrival[queue[0].request_id]), queue[0]
+        for req in list(self.waiting[kind]):
+            if step.preempted:  # no admissions once this step has preempted
+                return
+            yield (1, self._arrival[req.request_id]), req
 
     def _try_chunk(self, req: Request, step: _Step) -> str:
         """Schedule the next chunk of `req`: SCHEDULED, SKIPPED (it was preempted) or BLOCKED."""
@@ -270,19 +274,41 @@ class Scheduler:
             return self._try_encoder(req, step)
         if step.chunks_left <= 0:
             return BLOCKED
-        n = min(req.num_remaining, self.cfg.chunk_size, step.budget)
         if req.status is Status.WAITING:
             if step.preempted or len(self.running) >= self.cfg.max_num_seqs:
                 return BLOCKED
-            if not self._grow_pages(req, req.num_tokens if req.is_embed else n):
-                return BLOCKED
-            if req.is_embed:
-                req.pool_slot = self.slots.allocate()
-                assert req.pool_slot is not None, "no pooler slot with a sequence slot free"
-            self._admit(req)
-        elif not self._reserve(req, n, step):
+            outcome = self._admit_with_pages(req, step)
+            if outcome != SCHEDULED:
+                return outcome
+        elif not self._reserve(req, min(req.num_remaining, self.cfg.chunk_size, step.budget),
+                               step):
             return SKIPPED
+        n = min(req.num_remaining, self.cfg.chunk_size, step.budget)
         step.add(_Entry(req, EMBED if req.is_embed else PREFILL, req.num_computed_tokens, n))
+        return SCHEDULED
+
+    def _admit_with_pages(self, req: Request, step: _Step) -> str:
+        """Admit a waiting request onto the decoder: its cached prefix (a hit takes a reference
+        on each page), fresh pages for its first chunk (an embedding: its whole input) and, for
+        an embedding, a pooler slot. Nothing changes when it cannot be admitted."""
+        hit = self.prefix.lookup(req)
+        if hit is None:
+            return SKIPPED  # its next page is in flight: admitted once that is registered
+        cached = len(hit) * self.cfg.page_size
+        n = min(req.num_tokens - cached, self.cfg.chunk_size, step.budget)
+        need = -(-(req.num_tokens if req.is_embed else cached + n) // self.cfg.page_size)
+        if not self.pages.can_take(hit, need - len(hit)):
+            return BLOCKED
+        self.pages.touch(hit)
+        req.pages = hit + self.pages.allocate(need - len(hit))
+        if req.is_embed:
+            req.pool_slot = self.slots.allocate()
+            assert req.pool_slot is not None, "no pooler slot with a sequence slot free"
+        before = req.num_pending
+        req.num_computed_tokens = cached
+        self.pending[req.kind] += req.num_pending - before
+        self.prefix.admitted(req, hit)
+        self._admit(req)
         return SCHEDULED
 
     def _try_encoder(self, req: Request, step: _Step) -> str:
@@ -297,7 +323,7 @@ class Scheduler:
 
     def _admit(self, req: Request, holds_a_sequence: bool = True) -> None:
         """Waiting head -> RUNNING; on the decoder it joins `running` (a sequence slot)."""
-        assert self.waiting[req.kind].popleft() is req, f"request {req.request_id} not at head"
+        self.waiting[req.kind].remove(req)
         req.status = Status.RUNNING
         if holds_a_sequence:
             self.running.append(req)
@@ -311,7 +337,7 @@ class Scheduler:
             ends=e.start + e.num_tokens == req.num_tokens,
             token_ids=tuple(req.token_ids(e.start, e.num_tokens)), pages=tuple(req.pages),
             knobs=req.knobs, num_output_tokens=len(req.output_token_ids),
-            pool_slot=req.pool_slot)
+            pool_slot=req.pool_slot, num_cached_tokens=req.num_cached_tokens)
 
     def _check(self, out: SchedulerOutput) -> None:
         cfg, items = self.cfg, out.items
@@ -351,6 +377,7 @@ class Scheduler:
         before = req.num_pending
         self.running.remove(req)
         self.pages.free(req.pages)
+        self.prefix.released(req)
         req.pages, req.num_computed_tokens = [], 0
         req.status = Status.WAITING
         req.num_preemptions += 1
@@ -374,6 +401,7 @@ class Scheduler:
         if req in self.running:
             self.running.remove(req)
         self.pages.free(req.pages)
+        self.prefix.released(req)
         req.pages = []
         if req.pool_slot is not None:
             self.slots.free(req.pool_slot)

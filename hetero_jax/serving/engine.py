@@ -11,12 +11,15 @@ same steps (`run`); `add`/`step`/`abort`/`output` expose the loop to `AsyncEngin
 """
 from __future__ import annotations
 
+import hashlib
 import itertools
 import threading
 import time
+import warnings
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from tqdm.auto import tqdm
 
 from hetero_jax.config import EngineConfig
@@ -31,6 +34,7 @@ from hetero_jax.outputs import EngineStats
 from hetero_jax.runner.batch import pack_batch
 from hetero_jax.runner.decoder import DecoderRunner
 from hetero_jax.sched import RunnerOutput, Scheduler, SchedulerConfig
+from hetero_jax.sched.hashing import chain_seed
 from hetero_jax.serving import checkpoint
 from hetero_jax.serving.batch_api import BatchAPI
 from hetero_jax.serving.encoder import SeparateEncoder
@@ -61,11 +65,19 @@ class Engine(BatchAPI):
             token_budget=c.token_budget, chunk_size=c.chunk_size, max_num_seqs=c.max_num_seqs,
             max_chunk_seqs=c.max_chunk_seqs, page_size=c.page_size, num_pages=c.num_pages,
             max_model_len=c.max_model_len, policy=c.scheduler,
-            encoder_max_seqs=encoder.runner.batch_buckets[-1] if encoder else 0))
+            encoder_max_seqs=encoder.runner.batch_buckets[-1] if encoder else 0,
+            prefix_caching=c.prefix_caching))
+        if encoder and c.prefix_caching:
+            warnings.warn("prefix caching serves generation only here: the separate encoder "
+                          "embeds every input whole (a bidirectional encoder has no prefix "
+                          "cache)", stacklevel=2)
         self.runner = DecoderRunner(model_cfg, c, params)
         embedding = encoder.embedding_model if encoder else EmbeddingModel(
             tokenizer, model_cfg.vocab_size, c.max_model_len, "mean", True, on_decoder=True)
-        self.inputs = InputProcessor(model_cfg, c, tokenizer, embedding, adapter_ids)
+        self.inputs = InputProcessor(
+            model_cfg, c, tokenizer, embedding, adapter_ids,
+            cache_identity=_cache_identity(model_cfg, c) if c.prefix_caching else None,
+            adapter_digests={adapter_ids[n]: _adapter_digest(a) for n, a in (adapters or {}).items()})
         self.stats = EngineStats()
         self._ids = itertools.count()  # request ids; next() is atomic across threads
         self._lock = threading.RLock()  # one step (or one `run`) at a time
@@ -194,6 +206,12 @@ class Engine(BatchAPI):
         with self._lock:
             self.scheduler.abort(request_id)
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix. Safe while requests run: their pages stay theirs, later
+        requests just no longer find them (caching resumes with the next page computed)."""
+        with self._lock:
+            self.scheduler.pages.reset()
+
     def output(self, req):
         """The user-facing output of a finished request handle; a request the engine failed,
         or whose output cannot be built, gets an output with `finish_reason="error"`."""
@@ -242,9 +260,29 @@ class Engine(BatchAPI):
         s.generated_tokens += len(runner_out.sampled)
         s.step_time_s += runner_out.step_time
         s.preemptions += len(out.preempted)
+        pool, ps = self.scheduler.pages, self.config.page_size
+        s.cache_queries, s.cache_evictions = pool.queries, pool.evictions
+        s.cache_query_tokens, s.cache_hit_tokens = pool.query_pages * ps, pool.hit_pages * ps
         self._count_compiles()
 
     def _count_compiles(self) -> None:
         runners = [self.runner] + ([self.encoder.runner] if self.encoder else [])
         self.stats.compiles = sum(r.compiles for r in runners)
         self.stats.compile_s = sum(r.compile_s for r in runners)
+
+
+def _cache_identity(model_cfg: ModelConfig, config: EngineConfig) -> bytes:
+    """What makes this engine's K/V what it is, as a chain seed: the model's configuration,
+    the dtype and the page size (two engines of one configuration share digests, which is
+    what a router's prefix affinity compares)."""
+    return chain_seed("hetero-jax kv", repr(model_cfg), config.dtype, config.page_size)
+
+
+def _adapter_digest(adapter: lora.LoraAdapter) -> bytes:
+    """A digest of a LoRA adapter's weights and scale (its identity in cache seeds)."""
+    h = hashlib.blake2b(repr((adapter.rank, adapter.scale)).encode(), digest_size=16)
+    for name in sorted(adapter.weights):
+        for w in adapter.weights[name]:
+            h.update(name.encode())
+            h.update(np.ascontiguousarray(np.asarray(w, np.float32)).tobytes())
+    return h.digest()

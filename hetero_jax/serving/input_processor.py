@@ -21,6 +21,7 @@ from hetero_jax.models.config import ModelConfig
 from hetero_jax.requests import (POOLING_KINDS, EmbedRequest, GenerateRequest, PoolingParams,
                                  SamplingParams)
 from hetero_jax.sched import EMBED, EmbedKnobs, GenKnobs, Request
+from hetero_jax.sched.hashing import chain_seed
 
 
 def default_seed(engine_seed: int, request_id: int) -> int:
@@ -123,10 +124,22 @@ class EmbeddingModel:
 
 class InputProcessor:
     def __init__(self, model_cfg: ModelConfig, config: EngineConfig, tokenizer,
-                 embedding: EmbeddingModel, adapter_ids: dict):
-        """`config` is resolved; `adapter_ids` maps LoRA adapter names to ids (0 = base)."""
+                 embedding: EmbeddingModel, adapter_ids: dict, cache_identity: bytes | None = None,
+                 adapter_digests: dict | None = None):
+        """`config` is resolved; `adapter_ids` maps LoRA adapter names to ids (0 = base).
+        `cache_identity` seeds every prefix-cache chain (None: no prefix caching);
+        `adapter_digests` maps adapter ids to digests of their weights."""
         self.model_cfg, self.config, self.tokenizer = model_cfg, config, tokenizer
         self.embedding, self.adapter_ids = embedding, adapter_ids
+        self.cache_identity, self.adapter_digests = cache_identity, adapter_digests or {}
+
+    def _cache_seed(self, salt: str | None, adapter_id: int = 0) -> bytes | None:
+        """The chain seed of a request's pages: the engine's identity, the adapter its
+        tokens run on (name and weight digest, never the slot) and its salt."""
+        if self.cache_identity is None:
+            return None
+        name = next((n for n, i in self.adapter_ids.items() if i == adapter_id), None)
+        return chain_seed(self.cache_identity, name, self.adapter_digests.get(adapter_id), salt)
 
     def process(self, index: int, request, request_id: int) -> Request:
         check_request_type(index, request)
@@ -148,7 +161,7 @@ class InputProcessor:
         seed = sp.seed if sp.seed is not None else default_seed(self.config.seed, request_id)
         return Request(request_id=request_id, prompt_token_ids=ids, max_tokens=sp.max_tokens,
                        stop_token_ids=frozenset(sp.stop_token_ids) | frozenset(eos),
-                       arrival_time=time.perf_counter(),
+                       arrival_time=time.perf_counter(), cache_seed=self._cache_seed(sp.cache_salt),
                        knobs=GenKnobs(sp.temperature, sp.top_k, sp.top_p, seed, sp.logprobs))
 
     def _embed(self, index: int, request_id: int, r: EmbedRequest) -> Request:
@@ -165,10 +178,13 @@ class InputProcessor:
         if pooling == "buffered" and not (model.on_decoder and self.config.buffered_head):
             raise ValueError(f"input {index}: pooling='buffered' needs "
                              "EngineConfig(buffered_head=...) and the decoder as embedding model")
+        adapter_id = self._adapter_id(index, pp.adapter)
+        cacheable = model.on_decoder and pooling != "buffered"  # a buffered head needs all rows
         return Request(request_id=request_id, prompt_token_ids=ids, kind=EMBED,
                        arrival_time=time.perf_counter(),
-                       knobs=EmbedKnobs(POOLING_KINDS.index(pooling), normalize,
-                                        self._adapter_id(index, pp.adapter)))
+                       cache_seed=self._cache_seed(pp.cache_salt, adapter_id) if cacheable
+                       else None,
+                       knobs=EmbedKnobs(POOLING_KINDS.index(pooling), normalize, adapter_id))
 
     def _adapter_id(self, index: int, name: str | None) -> int:
         """The adapter id of an embedding request: its named adapter, else the first one."""

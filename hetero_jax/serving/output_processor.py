@@ -20,7 +20,8 @@ def make_output(req: Request, tokenizer) -> RequestOutput | EmbeddingOutput:
         return EmbeddingOutput(req.request_id, req.prompt_token_ids, req.embedding,
                                req.finish_reason, dict(
                                    arrival_time=req.arrival_time, finish_time=req.finish_time,
-                                   latency_s=_since_arrival(req, req.finish_time)))
+                                   latency_s=_since_arrival(req, req.finish_time),
+                                   cached_tokens=req.num_cached_tokens))
     k = req.knobs.logprobs
     logprobs = None if k is None else [
         {"logprob": t.logprob, "top": list(zip(t.top_token_ids[:k], t.top_logprobs[:k]))}
@@ -30,7 +31,7 @@ def make_output(req: Request, tokenizer) -> RequestOutput | EmbeddingOutput:
                    finish_time=req.finish_time,
                    ttft_s=_since_arrival(req, req.first_token_time),
                    latency_s=_since_arrival(req, req.finish_time),
-                   preemptions=req.num_preemptions)
+                   preemptions=req.num_preemptions, cached_tokens=req.num_cached_tokens)
     return RequestOutput(req.request_id, req.prompt_token_ids, list(req.output_token_ids),
                          text, req.finish_reason, logprobs, metrics)
 
