@@ -10,9 +10,10 @@ import jax
 import numpy as np
 import pytest
 
-from hetero_jax import Engine, EngineConfig, SamplingParams
+from hetero_jax import EmbedRequest, Engine, EngineConfig, SamplingParams
 from hetero_jax.bench.cli import median_run, serve_all
 from hetero_jax.bench.config import SCHEDULERS, parse_config
+from hetero_jax.bench.workloads import SharedPrefixWorkload
 from hetero_jax.cli import main
 from hetero_jax.bench.hf_baseline import export_preset
 from hetero_jax.models import llama
@@ -105,6 +106,8 @@ def assert_scheduled_tokens_are_the_work(r: dict, cfg: dict) -> None:
      "max_position_embeddings=2048"),
     (["--chunk-size", "512"], "--chunk-size 512 exceeds --token-budget 256"),
     (["--model", "/no/such/dir"], "'/no/such/dir' is not a directory"),
+    (["--prefix-caching", "maybe"], "bad value 'maybe': expected on, off or on,off"),
+    (["--workload", "shared-prefix", "--prefix-len", "4000"], "need 4288 positions"),
 ])
 def test_bad_flags_fail_with_the_value_and_the_limit(flags, message, capsys):
     with pytest.raises(SystemExit) as e:
@@ -147,6 +150,37 @@ def test_iter_retgen_workload_runs_the_pipeline(tmp_path, capsys):
     assert row["ratio"] == "iter-retgen" and row["questions"] == 3
     assert row["gen_tokens_per_s"] > 0 and row["steps"] > 0 and 0 < row["budget_fill"] <= 1
     assert "questions/s" in capsys.readouterr().out
+
+
+def test_shared_prefix_runs_with_the_cache_on_and_off_side_by_side(tmp_path):
+    out = tmp_path / "sp.json"
+    assert main(["bench", "--preset", "tiny", "--quick", "--workload", "shared-prefix",
+                 "--groups", "2", "--prompts-per-group", "4", "--prefix-len", "48",
+                 "--suffix-len", "4", "--output-len", "4", "--ratios", "1:1",
+                 "--schedulers", "ibs", "--prefix-caching", "on,off", "--control",
+                 "--compile-cache", "none", "--no-progress", "--json", str(out)]) == 0
+    rows = {(r["scheduler"], r["ratio"]): r for r in json.loads(out.read_text())["results"]}
+    assert set(rows) == {(s, r) for s in ("ibs", "ibs/no-cache") for r in ("1:1", "1:1 unshared")}
+    assert rows["ibs", "1:1"]["cache_hit_rate"] > 0.5, "a group's prefix is computed once"
+    assert rows["ibs", "1:1"]["vs_no_cache"] is not None
+    assert rows["ibs", "1:1 unshared"]["cache_hit_rate"] == 0
+    assert rows["ibs/no-cache", "1:1"]["cache_hit_rate"] == 0
+
+
+def test_shared_prefix_workload_shares_within_groups_only():
+    wl = SharedPrefixWorkload(groups=3, per_group=4, prefix_len=10, suffix_len=3, output_len=2)
+    reqs = wl.requests((1, 1), vocab=256)
+    prefixes = {}
+    for r in reqs:
+        tokens = r.input if isinstance(r, EmbedRequest) else r.prompt
+        assert len(tokens) == 13
+        prefixes.setdefault(tuple(tokens[:10]), []).append(type(r).__name__)
+    assert sorted(len(v) for v in prefixes.values()) == [4, 4, 4]
+    assert all(sorted(v) == ["EmbedRequest"] * 2 + ["GenerateRequest"] * 2
+               for v in prefixes.values())
+    control = wl.requests((1, 1), vocab=256, shared=False)
+    assert len({tuple((r.input if isinstance(r, EmbedRequest) else r.prompt)[:10])
+                for r in control}) == 12
 
 
 def test_repeats_rotate_the_order_and_keep_the_median_run():

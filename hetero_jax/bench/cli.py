@@ -2,7 +2,8 @@
 
     hetero-jax bench [--preset small | --model DIR] [--ratios 9:1,5:5,1:9]
                      [--schedulers ibs,fcfs,homogeneous,dedicated] [--clients N] [--requests N]
-                     [--json PATH] [--plot PATH] [--baseline hf] [--workload mixed|iter-retgen]
+                     [--json PATH] [--plot PATH] [--baseline hf]
+                     [--workload mixed|iter-retgen|shared-prefix] [--prefix-caching on,off]
 
 In: argv, resolved once into a frozen `BenchConfig` (`bench.config`) that every part reads.
 Out: a table on stdout (one row per scheduler x ratio), and optionally JSON
@@ -29,7 +30,8 @@ from hetero_jax.bench.config import BenchConfig, parse_config
 from hetero_jax.bench.loop import (DedicatedFront, closed_loop, counters, counters_delta,
                                    summarize)
 from hetero_jax.bench.report import COLUMNS, NOTES, plot_results
-from hetero_jax.bench.workloads import MixedWorkload, synthetic_iter_retgen
+from hetero_jax.bench.workloads import (MixedWorkload, SharedPrefixWorkload,
+                                        synthetic_iter_retgen)
 from hetero_jax.sim.cli import write_json
 from hetero_jax.sim.report import format_table
 
@@ -49,14 +51,18 @@ def enable_compile_cache(path: str) -> None:
 
 
 class Contender:
-    """One scheduler's engine and how to make a closed-loop front for it."""
+    """One scheduler's engine (with prefix caching on or off) and how to make a closed-loop
+    front for it; named by its scheduler, "/no-cache" added when caching is off in a run
+    that compares both."""
 
-    def __init__(self, name: str, cfg: BenchConfig, engine_config):
+    def __init__(self, scheduler: str, cfg: BenchConfig, engine_config, caching: bool = True):
         from hetero_jax.serving.factory import make_engine
 
-        self.name = name
-        self.engine = make_engine(cfg.model or cfg.preset,
-                                  dataclasses.replace(engine_config, scheduler=name), cfg.seed)
+        self.scheduler = scheduler
+        both = len(cfg.prefix_caching) > 1
+        self.name = scheduler + ("/no-cache" if both and not caching else "")
+        self.engine = make_engine(cfg.model or cfg.preset, dataclasses.replace(
+            engine_config, scheduler=scheduler, prefix_caching=caching), cfg.seed)
         self.token_budget = engine_config.token_budget
         self.tokenizer = getattr(self.engine, "tokenizer", None) or _tokenizer(cfg.model)
         self.batch_sizes = None  # dedicated: the generation worker's batch sizes, last run
@@ -83,7 +89,7 @@ class Contender:
     def front(self):
         from hetero_jax.serving.async_engine import AsyncEngine
 
-        if self.name == "dedicated":
+        if self.scheduler == "dedicated":
             return DedicatedFront(self.engine, self.tokenizer)
         return AsyncEngine(self.engine)
 
@@ -108,6 +114,13 @@ def workload_items(cfg: BenchConfig) -> tuple[list, list | None]:
     if cfg.workload == "iter-retgen":
         docs, plans = synthetic_iter_retgen(cfg.requests, cfg.scale, cfg.seed)
         return [("iter-retgen", plans)], docs
+    if cfg.workload == "shared-prefix":
+        wl = SharedPrefixWorkload(cfg.groups, cfg.prompts_per_group, cfg.prefix_len,
+                                  cfg.suffix_len, cfg.output_len, cfg.seed)
+        return [(f"{e}:{g}{suffix}", wl.requests((e, g), cfg.vocab_size, shared))
+                for e, g in cfg.ratios
+                for shared, suffix in ((True, ""),) + (((False, " unshared"),)
+                                                       if cfg.control else ())], None
     wl = MixedWorkload(cfg.embed_len, cfg.prompt_len, cfg.output_len, cfg.seed)
     return [(f"{e}:{g}", wl.requests((e, g), cfg.run_size((e, g)), cfg.vocab_size))
             for e, g in cfg.ratios], None
@@ -120,7 +133,8 @@ def run_bench(cfg: BenchConfig) -> dict:
     t0 = time.perf_counter()
     n = len(cfg.schedulers)
     print(f"building {n} engine{'s' if n > 1 else ''} ...", flush=True)
-    contenders = [Contender(name, cfg, engine_config) for name in cfg.schedulers]
+    contenders = [Contender(name, cfg, engine_config, caching) for name in cfg.schedulers
+                  for caching in cfg.prefix_caching]
     try:
         lists, docs = workload_items(cfg)
         index = None
@@ -183,10 +197,14 @@ async def _with_front(contender, fn, *a):
 
 
 def add_ratios_to_ibs(rows: list) -> None:
-    ibs = {r["ratio"]: r["requests_per_s"] for r in rows if r["scheduler"] == "ibs"}
+    """Each row's requests/s over ibs's (same list) and over its own scheduler's without the
+    prefix cache (when the run compares both)."""
+    rate = {(r["ratio"], r["scheduler"]): r["requests_per_s"] for r in rows}
     for r in rows:
-        base = ibs.get(r["ratio"])
+        base = rate.get((r["ratio"], "ibs"))
         r["vs_ibs"] = r["requests_per_s"] / base if base else None
+        off = rate.get((r["ratio"], r["scheduler"] + "/no-cache"))
+        r["vs_no_cache"] = r["requests_per_s"] / off if off else None
 
 
 def bench_main(argv=None) -> int:
@@ -216,6 +234,11 @@ def _print_header(cfg: BenchConfig, load: float) -> None:
     if cfg.workload == "iter-retgen":
         what = (f"Iter-RetGen, {cfg.requests} questions per run, {cfg.iterations} iterations, "
                 f"scale {cfg.scale}")
+    elif cfg.workload == "shared-prefix":
+        what = (f"shared prefixes, {cfg.groups} groups x {cfg.prompts_per_group} requests at "
+                f"{', '.join(f'{e}:{g}' for e, g in cfg.ratios)}; prefix {cfg.prefix_len} + "
+                f"suffix {cfg.suffix_len} tokens, outputs of {cfg.output_len}"
+                + ("; and the no-sharing control" if cfg.control else ""))
     else:
         sizes = ", ".join(f"{cfg.run_size(r)} at {r[0]}:{r[1]}" for r in cfg.ratios)
         what = (f"mixed requests, {sizes} per run; embeddings of {cfg.embed_len} tokens, "

@@ -21,7 +21,8 @@ SCHEDULERS = ("ibs", "fcfs", "homogeneous", "dedicated")
 LIMITS = dict(clients=(1, 1024), requests=(1, 100_000), min_gens=(0, 100_000), repeats=(1, 20),
               embed_len=(1, 8192), prompt_len=(1, 8192), output_len=(1, 8192), iterations=(1, 10),
               token_budget=(16, 8192), chunk_size=(1, 8192), max_num_seqs=(1, 1024),
-              max_chunk_seqs=(1, 64), warmup=(0, 10_000), seed=(0, 2**32 - 1))
+              max_chunk_seqs=(1, 64), warmup=(0, 10_000), seed=(0, 2**32 - 1), groups=(1, 10_000),
+              prompts_per_group=(1, 10_000), prefix_len=(0, 8192), suffix_len=(1, 8192))
 QUICK = dict(clients=4, requests=8, min_gens=2, embed_len=16, prompt_len=16, output_len=16,
              warmup=0, token_budget=16, chunk_size=16, max_num_seqs=8, max_chunk_seqs=1)
 _DEFAULT_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "hetero-jax", "xla")
@@ -53,6 +54,15 @@ def parse_ratios(text: str) -> list:
     return out
 
 
+def parse_on_off(text: str) -> tuple:
+    """'on,off' -> (True, False)."""
+    values = {"on": True, "off": False}
+    parts = text.split(",")
+    if not parts or any(p not in values for p in parts) or len(set(parts)) != len(parts):
+        raise argparse.ArgumentTypeError(f"bad value {text!r}: expected on, off or on,off")
+    return tuple(values[p] for p in parts)
+
+
 def parse_schedulers(text: str) -> list:
     names = [s for s in text.split(",") if s]
     bad = [s for s in names if s not in SCHEDULERS]
@@ -70,7 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="embedded model (random weights, no download)")
     p.add_argument("--model", metavar="PATH", help="local Hugging Face directory (overrides "
                    "--preset)")
-    p.add_argument("--workload", default="mixed", choices=["mixed", "iter-retgen"])
+    p.add_argument("--workload", default="mixed", choices=["mixed", "iter-retgen",
+                                                           "shared-prefix"])
     p.add_argument("--ratios", type=parse_ratios, default="9:1,5:5,1:9",
                    help="embed:gen request ratios (mixed workload)")
     p.add_argument("--schedulers", type=parse_schedulers, default=",".join(SCHEDULERS))
@@ -96,6 +107,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--scale", type=real_range(0, 1, open_lo=True), default=0.05,
                    help="iter-retgen: fraction of the Iter-RetGen paper's lengths (prompts of "
                    "500 tokens and 3000 generated tokens on average)")
+    p.add_argument("--groups", type=int_in("groups"), default=8,
+                   help="shared-prefix: groups of requests that share a prefix")
+    p.add_argument("--prompts-per-group", type=int_in("prompts_per_group"), default=16)
+    p.add_argument("--prefix-len", type=int_in("prefix_len"), default=512)
+    p.add_argument("--suffix-len", type=int_in("suffix_len"), default=32)
+    p.add_argument("--control", action="store_true", help="shared-prefix: also run the same "
+                   "lengths with nothing shared")
+    p.add_argument("--prefix-caching", type=parse_on_off, default="on",
+                   help="on, off or on,off (side by side: each scheduler twice)")
     p.add_argument("--token-budget", type=int_in("token_budget"), default=256)
     p.add_argument("--chunk-size", type=int_in("chunk_size"), default=64)
     p.add_argument("--max-num-seqs", type=int_in("max_num_seqs"), default=32)
@@ -121,7 +141,7 @@ class BenchConfig:
 
     preset: str
     model: str | None  # a Hugging Face directory, or None for the preset
-    workload: str  # "mixed" | "iter-retgen"
+    workload: str  # "mixed" | "iter-retgen" | "shared-prefix"
     ratios: tuple  # ((embed, gen) weights, ...)
     schedulers: tuple
     clients: int
@@ -134,6 +154,12 @@ class BenchConfig:
     quick: bool
     iterations: int
     scale: float
+    groups: int
+    prompts_per_group: int
+    prefix_len: int
+    suffix_len: int
+    control: bool
+    prefix_caching: tuple  # (True,), (False,) or both: every scheduler with each
     token_budget: int
     chunk_size: int
     max_num_seqs: int
@@ -161,6 +187,8 @@ class BenchConfig:
                      else preset_config(args.preset))
         model_max = model_cfg.max_position_embeddings
         need = max(args.embed_len, args.prompt_len + args.output_len)
+        if args.workload == "shared-prefix":
+            need = args.prefix_len + args.suffix_len + args.output_len
         if args.workload == "iter-retgen":
             _, plans = synthetic_iter_retgen(args.requests, args.scale, args.seed)
             need = max(p.prompt_budget + p.max_tokens for p in plans) + 1
@@ -179,7 +207,9 @@ class BenchConfig:
             vocab_size=model_cfg.vocab_size, max_model_len=-(-need // 64) * 64))
 
     def run_size(self, ratio: tuple) -> int:
-        """Requests in a run of the mixed workload at `ratio`."""
+        """Requests in a run at `ratio`."""
+        if self.workload == "shared-prefix":
+            return self.groups * self.prompts_per_group
         return MixedWorkload.run_size(ratio, self.requests, self.min_gens)
 
     def engine_config(self):

@@ -153,7 +153,8 @@ class DedicatedFront:
 def counters(engine) -> dict:
     """Cumulative step counters of an Engine, or of each worker of a DedicatedEngine."""
     stats = engine.stats if isinstance(engine.stats, dict) else {"engine": engine.stats}
-    keys = ("steps", "scheduled_tokens", "compiles", "compile_s")
+    keys = ("steps", "scheduled_tokens", "compiles", "compile_s", "cache_query_tokens",
+            "cache_hit_tokens")
     return {name: {k: getattr(s, k) for k in keys} for name, s in stats.items()}
 
 
@@ -194,7 +195,8 @@ def summarize(records: list, delta: dict, token_budget: int) -> dict:
         p50_latency_s=percentile(lat, 50), p99_latency_s=percentile(lat, 99),
         ttft_p50_s=percentile(ttft, 50), ttft_p99_s=percentile(ttft, 99),
         budget_fill=delta["scheduled_tokens"] / max(steps * token_budget, 1),
-        steps=steps, compiles=delta["compiles"], compile_s=delta["compile_stall_s"])
+        steps=steps, compiles=delta["compiles"], compile_s=delta["compile_stall_s"],
+        cache_hit_rate=delta["cache_hit_tokens"] / max(delta["cache_query_tokens"], 1))
     for kind, rs in by_kind.items():
         for q in (50, 99):
             row[f"{kind}_p{q}_latency_s"] = percentile([r.done - r.submit for r in rs], q)

@@ -14,7 +14,8 @@ COLUMNS = [
     ("gen tok/s", "gen_tokens_per_s", "{:.0f}"), ("p50 s", "p50_latency_s", "{:.1f}"),
     ("p99 s", "p99_latency_s", "{:.1f}"), ("TTFT p50 s", "ttft_p50_s", "{:.2f}"),
     ("fill", "budget_fill", "{:.0%}"), ("steps", "steps", "{}"), ("compiles", "compiles", "{}"),
-    ("compile s", "compile_s", "{:.1f}"), ("x ibs", "vs_ibs", "{:.2f}"),
+    ("compile s", "compile_s", "{:.1f}"), ("hit", "cache_hit_rate", "{:.0%}"),
+    ("x ibs", "vs_ibs", "{:.2f}"), ("x no cache", "vs_no_cache", "{:.2f}"),
 ]
 
 
@@ -24,6 +25,8 @@ req/s, tok/s: per second of serving time, the wall time from the first submit to
   engine and every closed-loop client with it). gen tok/s counts generated tokens.
 p50/p99: latency from submit to finish, all requests; TTFT: generation requests.
 fill: scheduled tokens / (steps x token budget), both workers together for dedicated.
+hit: prompt tokens found in the prefix cache / tokens looked up; "x no cache": requests/s over
+  the same scheduler's run with prefix caching off ("<scheduler>/no-cache").
 dedicated: two single-core engine processes, one for embeddings and one for generation;
   each serves one batch at a time, so a request that arrives while its worker's batch runs
   waits for the next batch. Its compile s is the longer of the two workers' (subtracting it

@@ -2,6 +2,8 @@
 
 - `MixedWorkload`: the bench's mixed embed:gen request lists, fixed lengths, exact counts.
 - `synthetic_iter_retgen`: a corpus and Iter-RetGen `QueryPlan`s with the paper's lengths.
+- `shared_prefix_requests`: groups of requests sharing a prompt prefix (after SGLang's
+  generated-shared-prefix benchmark), or the same lengths with nothing shared (the control).
 - `demo_prompts`: prompts of varied lengths for `hetero-jax generate`.
 The request mix itself (kinds, lengths, order) comes from the simulator's `sim.workload`, so
 the bench and `hetero-jax sim` draw their workloads the same way.
@@ -53,6 +55,37 @@ class MixedWorkload:
                 GenerateRequest([rng.randrange(hi) for _ in range(s.input_len)], SamplingParams(
                     max_tokens=s.max_tokens, temperature=0.0, ignore_eos=True))
                 for s in specs]
+
+
+@dataclasses.dataclass(frozen=True)
+class SharedPrefixWorkload:
+    """`groups` x `per_group` requests; the requests of a group share a random `prefix_len`-token
+    prefix, each has its own `suffix_len`-token suffix. A group's requests are embeddings and
+    generations at `ratio` (embed, gen), the whole list shuffled. `shared=False` is the
+    control: the same lengths and kinds, every prefix its own."""
+
+    groups: int = 8
+    per_group: int = 16
+    prefix_len: int = 512
+    suffix_len: int = 32
+    output_len: int = 32
+    seed: int = 0
+
+    def requests(self, ratio: tuple, vocab: int, shared: bool = True) -> list:
+        e, g = ratio
+        rng, hi = random.Random(self.seed + 2), min(vocab, 256)
+        draw = lambda n: [rng.randrange(hi) for _ in range(n)]  # noqa: E731
+        sampling = SamplingParams(max_tokens=self.output_len, temperature=0.0, ignore_eos=True)
+        out = []
+        for _ in range(self.groups):
+            prefix = draw(self.prefix_len)
+            n_embed = round(self.per_group * e / (e + g))
+            for i in range(self.per_group):
+                tokens = (prefix if shared else draw(self.prefix_len)) + draw(self.suffix_len)
+                out.append(EmbedRequest(tokens, PoolingParams("mean")) if i < n_embed
+                           else GenerateRequest(tokens, sampling))
+        rng.shuffle(out)
+        return out
 
 
 PAPER_STATS = dict(prompt_mean=500, prompt_max=2000, decode_mean=3000, decode_max=4000,
