@@ -1,12 +1,13 @@
 """Host time of `Scheduler.schedule()` (and `update()`) with a deep queue, per policy.
 
-Keeps `--queued` requests waiting (topped up after every step; 80% generation, 20% embedding)
-while up to `--max-num-seqs` run, drives the scheduler with a fake runner (no model, no jax),
-and prints the mean, p50 and p99 of schedule() and update() per step (the target: under 1 ms
+Keeps `--queued` requests waiting (topped up after every step; 80% generation, 20% embedding;
+each starts with one of 8 shared 64-192-token prefixes) while up to `--max-num-seqs` run, with
+prefix caching on and off (`--prefix-caching`), drives the scheduler with a fake runner (no
+model, no jax), and prints the mean, p50 and p99 of schedule() and update() per step (the target: under 1 ms
 per schedule() with 1,000 queued requests). `main` returns one dict per policy (`--json PATH`
 writes the list): the times in microseconds, the timed steps and the tokens they scheduled.
 
-    python scripts/bench_schedule.py --queued 1000 --steps 2000
+    python scripts/bench_schedule.py --queued 1000 --steps 2000 --prefix-caching on,off
 """
 from __future__ import annotations
 
@@ -18,18 +19,26 @@ import time
 
 from hetero_jax.sched import (EMBED, GENERATE, POLICIES, Request, RunnerOutput, SampledToken,
                               Scheduler, SchedulerConfig)
+from hetero_jax.sched.hashing import chain_seed
 from hetero_jax.sim.report import format_table, percentile
 
-COLUMNS = [("policy", "policy", "{}"), ("queued", "queued", "{}"), ("steps", "steps", "{}"),
+COLUMNS = [("policy", "policy", "{}"), ("caching", "prefix_caching", "{}"),
+           ("queued", "queued", "{}"), ("steps", "steps", "{}"), ("hit", "hit_rate", "{:.0%}"),
            ("schedule() mean us", "schedule_mean_us", "{:.1f}"),
            ("p50 us", "schedule_p50_us", "{:.1f}"), ("p99 us", "schedule_p99_us", "{:.1f}"),
            ("update() mean us", "update_mean_us", "{:.1f}")]
 
 
+PREFIXES = [[g] * (64 + 16 * g) for g in range(8)]
+SEED = chain_seed("bench_schedule")
+
+
 def make_request(rid: int, rng: random.Random) -> Request:
+    prefix = rng.choice(PREFIXES)
     if rng.random() < 0.2:
-        return Request(rid, [7] * rng.choice((96, 224)), kind=EMBED)
-    return Request(rid, [7] * rng.randint(32, 256), rng.randint(16, 256), kind=GENERATE)
+        return Request(rid, prefix + [rid] * rng.choice((32, 96)), kind=EMBED, cache_seed=SEED)
+    return Request(rid, prefix + [rid] * rng.randint(16, 64), rng.randint(16, 256),
+                   kind=GENERATE, cache_seed=SEED)
 
 
 def fake_output(out) -> RunnerOutput:
@@ -37,10 +46,11 @@ def fake_output(out) -> RunnerOutput:
     return RunnerOutput(sampled)
 
 
-def bench(policy: str, args) -> dict:
+def bench(policy: str, caching: bool, args) -> dict:
     cfg = SchedulerConfig(token_budget=args.budget, chunk_size=args.chunk,
                           max_num_seqs=args.max_num_seqs, max_chunk_seqs=args.max_chunk_seqs,
-                          page_size=16, num_pages=args.num_pages, policy=policy)
+                          page_size=16, num_pages=args.num_pages, policy=policy,
+                          prefix_caching=caching)
     sched, rng, next_id = Scheduler(cfg), random.Random(0), 0
     t_sched, t_update, tokens = [], [], 0
     for step in range(args.warmup + args.steps):
@@ -57,7 +67,10 @@ def bench(policy: str, args) -> dict:
             t_update.append(t2 - t1)
             tokens += out.num_tokens
     us = lambda xs, q: 1e6 * percentile(xs, q)  # noqa: E731
-    return {"policy": policy, "queued": args.queued, "running": len(sched.running),
+    pool = sched.pages
+    return {"policy": policy, "prefix_caching": "on" if caching else "off",
+            "hit_rate": pool.hit_pages / max(pool.query_pages, 1), "queued": args.queued,
+            "running": len(sched.running),
             "steps": len(t_sched), "scheduled_tokens": tokens,
             "schedule_mean_us": 1e6 * statistics.fmean(t_sched), "schedule_p50_us": us(t_sched, 50),
             "schedule_p99_us": us(t_sched, 99), "update_mean_us": 1e6 * statistics.fmean(t_update)}
@@ -74,9 +87,11 @@ def main(argv=None) -> list:
     p.add_argument("--max-chunk-seqs", type=int, default=4)
     p.add_argument("--num-pages", type=int, default=4096)
     p.add_argument("--policy", default=",".join(POLICIES))
+    p.add_argument("--prefix-caching", default="on,off", help="on, off or on,off")
     p.add_argument("--json", help="write the results here")
     args = p.parse_args(argv)
-    rows = [bench(name, args) for name in args.policy.split(",")]
+    rows = [bench(name, on == "on", args) for name in args.policy.split(",")
+            for on in args.prefix_caching.split(",")]
     print(format_table(rows, COLUMNS))
     if args.json:
         with open(args.json, "w") as f:

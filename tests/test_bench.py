@@ -145,9 +145,11 @@ def test_iter_retgen_workload_runs_the_pipeline(tmp_path, capsys):
     out = tmp_path / "irg.json"
     assert main(["bench", "--preset", "tiny", "--quick", "--workload", "iter-retgen",
                  "--schedulers", "ibs", "--requests", "3", "--scale", "0.02",
-                 "--compile-cache", "none", "--no-progress", "--json", str(out)]) == 0
+                 "--instruction-len", "48", "--compile-cache", "none", "--no-progress",
+                 "--json", str(out)]) == 0
     (row,) = json.loads(out.read_text())["results"]
     assert row["ratio"] == "iter-retgen" and row["questions"] == 3
+    assert row["cache_hit_rate"] > 0.2, "the shared instruction is computed once"
     assert row["gen_tokens_per_s"] > 0 and row["steps"] > 0 and 0 < row["budget_fill"] <= 1
     assert "questions/s" in capsys.readouterr().out
 

@@ -112,7 +112,8 @@ def workload_items(cfg: BenchConfig) -> tuple[list, list | None]:
     """([(label, items)], docs): per ratio a request list and no documents, or one list of
     Iter-RetGen query plans and the corpus they retrieve from."""
     if cfg.workload == "iter-retgen":
-        docs, plans = synthetic_iter_retgen(cfg.requests, cfg.scale, cfg.seed)
+        docs, plans = synthetic_iter_retgen(cfg.requests, cfg.scale, cfg.seed,
+                                            instruction_len=cfg.instruction_len)
         return [("iter-retgen", plans)], docs
     if cfg.workload == "shared-prefix":
         wl = SharedPrefixWorkload(cfg.groups, cfg.prompts_per_group, cfg.prefix_len,

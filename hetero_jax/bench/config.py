@@ -22,7 +22,8 @@ LIMITS = dict(clients=(1, 1024), requests=(1, 100_000), min_gens=(0, 100_000), r
               embed_len=(1, 8192), prompt_len=(1, 8192), output_len=(1, 8192), iterations=(1, 10),
               token_budget=(16, 8192), chunk_size=(1, 8192), max_num_seqs=(1, 1024),
               max_chunk_seqs=(1, 64), warmup=(0, 10_000), seed=(0, 2**32 - 1), groups=(1, 10_000),
-              prompts_per_group=(1, 10_000), prefix_len=(0, 8192), suffix_len=(1, 8192))
+              prompts_per_group=(1, 10_000), prefix_len=(0, 8192), suffix_len=(1, 8192),
+              instruction_len=(0, 8192))
 QUICK = dict(clients=4, requests=8, min_gens=2, embed_len=16, prompt_len=16, output_len=16,
              warmup=0, token_budget=16, chunk_size=16, max_num_seqs=8, max_chunk_seqs=1)
 _DEFAULT_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "hetero-jax", "xla")
@@ -107,6 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--scale", type=real_range(0, 1, open_lo=True), default=0.05,
                    help="iter-retgen: fraction of the Iter-RetGen paper's lengths (prompts of "
                    "500 tokens and 3000 generated tokens on average)")
+    p.add_argument("--instruction-len", type=int_in("instruction_len"), default=0,
+                   help="iter-retgen: a shared instruction of this many tokens starts every "
+                   "query and prompt")
     p.add_argument("--groups", type=int_in("groups"), default=8,
                    help="shared-prefix: groups of requests that share a prefix")
     p.add_argument("--prompts-per-group", type=int_in("prompts_per_group"), default=16)
@@ -154,6 +158,7 @@ class BenchConfig:
     quick: bool
     iterations: int
     scale: float
+    instruction_len: int
     groups: int
     prompts_per_group: int
     prefix_len: int
@@ -190,7 +195,8 @@ class BenchConfig:
         if args.workload == "shared-prefix":
             need = args.prefix_len + args.suffix_len + args.output_len
         if args.workload == "iter-retgen":
-            _, plans = synthetic_iter_retgen(args.requests, args.scale, args.seed)
+            _, plans = synthetic_iter_retgen(args.requests, args.scale, args.seed,
+                                             instruction_len=args.instruction_len)
             need = max(p.prompt_budget + p.max_tokens for p in plans) + 1
             if args.baseline:
                 parser.error("--baseline hf runs the mixed workload only")

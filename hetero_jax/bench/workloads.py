@@ -104,7 +104,8 @@ def _words(rng: random.Random, n_chars: int, vocab: list[str]) -> str:
 
 
 def synthetic_iter_retgen(num_queries: int, scale: float = 0.05, seed: int = 0,
-                          num_docs: int | None = None) -> tuple[list[str], list[QueryPlan]]:
+                          num_docs: int | None = None,
+                          instruction_len: int = 0) -> tuple[list[str], list[QueryPlan]]:
     """A corpus and `num_queries` `QueryPlan`s with the paper's Iter-RetGen statistics.
 
     Per query, in tokens of the byte-level tokenizer (one ASCII character each) before scaling:
@@ -114,7 +115,9 @@ def synthetic_iter_retgen(num_queries: int, scale: float = 0.05, seed: int = 0,
       with k four-character documents (so small scales raise the short prompts);
     - decode length (`max_tokens`, per generation): uniform integer in [2000, 4000]
       (mean 3000, max 4000), x scale, at least 1;
-    - question: 8-24 characters of pseudo-words (not scaled).
+    - question: 8-24 characters of pseudo-words (not scaled);
+    - with `instruction_len`, one instruction of that many characters starts every query and
+      prompt (within the prompt length), the shared prefix of retrieval traffic.
     Documents (default 2 x num_queries, at least 32) are pseudo-words of 2000 x scale to
     2200 x scale characters, long enough that `fit_prompt` cuts the k retrieved ones to
     exactly P, whichever are retrieved. The engine needs max_model_len >= 6000 x scale + 1
@@ -130,16 +133,18 @@ def synthetic_iter_retgen(num_queries: int, scale: float = 0.05, seed: int = 0,
     docs = [_words(rng, max(4, round(rng.uniform(p_max, 1.1 * p_max) * scale)), vocab)
             for _ in range(num_docs or max(32, 2 * num_queries))]
     mu = math.log(PAPER_STATS["prompt_mean"]) - _PROMPT_SIGMA**2 / 2
+    instruction = _words(random.Random(seed + 3), instruction_len, vocab) + "\n" \
+        if instruction_len else ""
     plans = []
     for _ in range(num_queries):
         k = rng.randint(PAPER_STATS["docs_min"], PAPER_STATS["docs_max"])
         question = _words(rng, rng.randint(8, 24), vocab)
         prompt = min(max(rng.lognormvariate(mu, _PROMPT_SIGMA), _PROMPT_MIN), p_max)
-        floor = 1 + len(build_prompt(["x" * 4] * k, question))  # BOS + the shortest prompt
+        floor = 1 + len(instruction + build_prompt(["x" * 4] * k, question))  # BOS + shortest
         decode = rng.randint(PAPER_STATS["decode_mean"] * 2 - PAPER_STATS["decode_max"],
                              PAPER_STATS["decode_max"])
         plans.append(QueryPlan(question, k, max(1, round(decode * scale)),
-                               max(floor, round(prompt * scale))))
+                               max(floor, round(prompt * scale)), instruction))
     return docs, plans
 
 

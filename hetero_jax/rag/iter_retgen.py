@@ -109,19 +109,23 @@ class QueryPlan:
     k: int  # documents retrieved per iteration
     max_tokens: int  # decode length of each generation
     prompt_budget: int  # prompt length in tokens (documents are cut to fit it)
+    instruction: str = ""  # shared by every query and prompt (a prefix the cache keeps)
 
     def sampling_params(self) -> SamplingParams:
         return SamplingParams(max_tokens=self.max_tokens, temperature=0.0, ignore_eos=True)
 
 
-def _plan_defaults(question, k, params, prompt_budget) -> tuple:
-    """(text, k, params, prompt_budget), taking a QueryPlan's values where none were given."""
+def _plan_defaults(question, k, params, prompt_budget, instruction) -> tuple:
+    """(text, k, params, prompt_budget, instruction), taking a QueryPlan's values where none
+    were given."""
     if not isinstance(question, QueryPlan):
         return (question, 3 if k is None else k,
-                params or SamplingParams(max_tokens=32, temperature=0.0), prompt_budget)
+                params or SamplingParams(max_tokens=32, temperature=0.0), prompt_budget,
+                instruction or "")
     return (question.question, question.k if k is None else k,
             params or question.sampling_params(),
-            question.prompt_budget if prompt_budget is None else prompt_budget)
+            question.prompt_budget if prompt_budget is None else prompt_budget,
+            question.instruction if instruction is None else instruction)
 
 
 def _check_question(front: Front, index: VectorIndex, text, iterations, k: int,
@@ -152,22 +156,28 @@ async def run_iter_retgen(front: Front, index: VectorIndex, question: str | Quer
                           iterations: int = 2, k: int | None = None,
                           params: SamplingParams | None = None, *,
                           pooling: PoolingParams | None = None, prompt_budget: int | None = None,
-                          prompt_fn: Callable = build_prompt) -> IterRetGenResult:
+                          prompt_fn: Callable = build_prompt,
+                          instruction: str | None = None) -> IterRetGenResult:
     """Iter-RetGen for one question: retrieve k -> generate -> embed(question + generation).
 
     `question` may be a `QueryPlan`, whose k, decode length and prompt budget are then the
     defaults. `params` defaults to greedy decoding of 32 tokens, `k` to 3 and `pooling` to the
     model's default; queries after the first are embedded with `truncate=True`. The prompt
     (documents cut evenly to fit) is at most `prompt_budget` and max_model_len - max_tokens
-    tokens. Raises ValueError (in this coroutine only) for an empty or too-long question, a
+    tokens. `instruction` (default: the plan's, else none) starts every query embedded and
+    every prompt: the same prefix for every question, which the prefix cache computes once.
+    Raises ValueError (in this coroutine only) for an empty or too-long question, a
     bad `iterations` or a `k` outside [1, index size], before any request is made.
     """
-    text, k, params, prompt_budget = _plan_defaults(question, k, params, prompt_budget)
+    text, k, params, prompt_budget, instruction = _plan_defaults(question, k, params,
+                                                                 prompt_budget, instruction)
+    if instruction:
+        prompt_fn = _with_instruction(prompt_fn, instruction)
     pooling = pooling or PoolingParams()
     budget = _check_question(front, index, text, iterations, k, params, prompt_budget, prompt_fn)
     start = time.perf_counter()
     try:
-        query = await front.embed(text, pooling)  # [d]
+        query = await front.embed(instruction + text, pooling)  # [d]
     except ValueError as e:
         raise ValueError(f"question {text[:40]!r}: {e}") from e
     first_embed_s = time.perf_counter() - start
@@ -181,7 +191,8 @@ async def run_iter_retgen(front: Front, index: VectorIndex, question: str | Quer
         out = await front.generate(prompt, params)
         t2 = t3 = time.perf_counter()
         if it + 1 < iterations:
-            next_query = f"{text}\n{out.text}" if out.text and out.text.strip() else text
+            next_query = instruction + (f"{text}\n{out.text}" if out.text and out.text.strip()
+                                        else text)
             query = await front.embed(next_query, dataclasses.replace(pooling, truncate=True))
             t3 = time.perf_counter()
         records.append(IterationResult(
@@ -190,6 +201,10 @@ async def run_iter_retgen(front: Front, index: VectorIndex, question: str | Quer
             token_ids=out.token_ids, retrieve_s=t1 - t0, generate_s=t2 - t1,
             embed_s=t3 - t2))
     return IterRetGenResult(text, records, first_embed_s, time.perf_counter() - start)
+
+
+def _with_instruction(prompt_fn: Callable, instruction: str) -> Callable:
+    return lambda docs, question: instruction + prompt_fn(docs, question)
 
 
 async def iter_retgen_many(front: Front, index: VectorIndex, questions: Sequence,
