@@ -258,8 +258,10 @@ def test_bench_schedule_runs(tmp_path):
     path = tmp_path / "schedule.json"
     rows = load_script("bench_schedule").main(["--queued", "50", "--steps", "20", "--warmup",
                                                "5", "--json", str(path)])
-    assert [r["policy"] for r in rows] == list(POLICIES)
+    assert [(r["policy"], r["prefix_caching"]) for r in rows] == [
+        (p, on) for p in POLICIES for on in ("on", "off")]
     for r in rows:
+        assert (r["hit_rate"] > 0) == (r["prefix_caching"] == "on"), r  # 8 shared prefixes
         assert (r["queued"], r["steps"]) == (50, 20), r
         assert 0 < r["scheduled_tokens"] <= 20 * 256, r  # --budget 256
         assert 0 < r["running"] <= 32, r  # --max-num-seqs 32
