@@ -2,11 +2,11 @@
 
 - `MixedWorkload`: the bench's mixed embed:gen request lists, fixed lengths, exact counts.
 - `synthetic_iter_retgen`: a corpus and Iter-RetGen `QueryPlan`s with the paper's lengths.
-- `shared_prefix_requests`: groups of requests sharing a prompt prefix (after SGLang's
+- `SharedPrefixWorkload`: groups of requests sharing a prompt prefix (after SGLang's
   generated-shared-prefix benchmark), or the same lengths with nothing shared (the control).
 - `demo_prompts`: prompts of varied lengths for `hetero-jax generate`.
-The request mix itself (kinds, lengths, order) comes from the simulator's `sim.workload`, so
-the bench and `hetero-jax sim` draw their workloads the same way.
+The request mix itself (kinds, lengths, order, token ids) comes from the simulator's
+`sim.workload`, so the bench and `hetero-jax sim` run the same requests.
 """
 from __future__ import annotations
 
@@ -40,21 +40,15 @@ class MixedWorkload:
         return max(requests, -(-min_gens * (e + g) // g)) if g else requests
 
     def requests(self, ratio: tuple, num: int, vocab: int) -> list:
-        """`num` requests at `ratio` (embed, gen): the simulator's mix (`sim.request_specs`:
-        round(num * e / (e + g)) embeddings, shuffled) with token ids drawn below
-        min(vocab, 256) (bytes of the byte tokenizer)."""
+        """`num` requests at `ratio` (embed, gen): the simulator's mix and tokens
+        (`sim.request_specs`: round(num * e / (e + g)) embeddings, shuffled, token ids drawn
+        below min(vocab, 256), the bytes of the byte tokenizer)."""
         e, g = ratio
         specs = request_specs(WorkloadConfig(
             num_requests=num, embed_frac=e / (e + g), gen_prompt=LengthDist((self.prompt_len,)),
             gen_output=LengthDist((self.output_len,)), embed_len=LengthDist((self.embed_len,)),
-            order="mixed", seed=self.seed))
-        rng, hi = random.Random(self.seed + 1), min(vocab, 256)
-        pool = PoolingParams("mean", normalize=True)
-        return [EmbedRequest([rng.randrange(hi) for _ in range(s.input_len)], pool)
-                if s.kind == EMBED else
-                GenerateRequest([rng.randrange(hi) for _ in range(s.input_len)], SamplingParams(
-                    max_tokens=s.max_tokens, temperature=0.0, ignore_eos=True))
-                for s in specs]
+            order="mixed", seed=self.seed, vocab_size=min(vocab, 256)))
+        return _engine_requests(specs, PoolingParams("mean", normalize=True))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,7 +56,8 @@ class SharedPrefixWorkload:
     """`groups` x `per_group` requests; the requests of a group share a random `prefix_len`-token
     prefix, each has its own `suffix_len`-token suffix. A group's requests are embeddings and
     generations at `ratio` (embed, gen), the whole list shuffled. `shared=False` is the
-    control: the same lengths and kinds, every prefix its own."""
+    control: the same lengths and kinds, every prefix its own. The layout and the token ids
+    are the simulator's (`sim.request_specs` of the shared-prefix workload)."""
 
     groups: int = 8
     per_group: int = 16
@@ -73,19 +68,20 @@ class SharedPrefixWorkload:
 
     def requests(self, ratio: tuple, vocab: int, shared: bool = True) -> list:
         e, g = ratio
-        rng, hi = random.Random(self.seed + 2), min(vocab, 256)
-        draw = lambda n: [rng.randrange(hi) for _ in range(n)]  # noqa: E731
-        sampling = SamplingParams(max_tokens=self.output_len, temperature=0.0, ignore_eos=True)
-        out = []
-        for _ in range(self.groups):
-            prefix = draw(self.prefix_len)
-            n_embed = round(self.per_group * e / (e + g))
-            for i in range(self.per_group):
-                tokens = (prefix if shared else draw(self.prefix_len)) + draw(self.suffix_len)
-                out.append(EmbedRequest(tokens, PoolingParams("mean")) if i < n_embed
-                           else GenerateRequest(tokens, sampling))
-        rng.shuffle(out)
-        return out
+        specs = request_specs(WorkloadConfig(
+            name="shared-prefix", embed_frac=e / (e + g), gen_output=LengthDist((self.output_len,)),
+            order="mixed", seed=self.seed, groups=self.groups, prompts_per_group=self.per_group,
+            prefix_len=self.prefix_len, suffix_len=self.suffix_len, shared=shared,
+            vocab_size=min(vocab, 256)))
+        return _engine_requests(specs, PoolingParams("mean"))
+
+
+def _engine_requests(specs: list, pooling: PoolingParams) -> list:
+    """`RequestSpec`s as the engine's requests: greedy generations that never stop early."""
+    return [EmbedRequest(list(s.token_ids), pooling) if s.kind == EMBED else
+            GenerateRequest(list(s.token_ids), SamplingParams(
+                max_tokens=s.max_tokens, temperature=0.0, ignore_eos=True))
+            for s in specs]
 
 
 PAPER_STATS = dict(prompt_mean=500, prompt_max=2000, decode_mean=3000, decode_max=4000,
