@@ -1,4 +1,6 @@
-"""The simulator (no jax): cost models by hand, workloads, the event loop, the CLI, scripts."""
+"""The simulator (no jax): cost models by hand, workloads, the event loop, the prefix cache's
+hit rate and what it saves, the CLI, scripts."""
+import dataclasses
 import json
 import random
 import subprocess
@@ -92,6 +94,34 @@ def test_workload_mix_and_order():
     assert [s.kind for s in specs] == [GENERATE] * 7 + [EMBED] * 3
     assert all(s.max_tokens == 0 for s in specs if s.kind == EMBED)
     assert request_specs(wl) == specs, "seeded"
+
+
+def test_requests_share_tokens_only_where_the_workload_shares_them():
+    """Mixed: every request its own token ids. Shared-prefix, 3 groups x 4 at embed_frac 0.5:
+    2 embeddings and 2 generations per group, each 10 prefix tokens of its group's and 3 of
+    its own; the control issues the same kinds and lengths in the same order, nothing shared."""
+    mixed = request_specs(WorkloadConfig(num_requests=50, vocab_size=256))
+    assert [s.input_len for s in mixed] == [len(s.token_ids) for s in mixed]
+    assert len({s.token_ids[:16] for s in mixed}) == 50, "no first page in common"
+    assert all(0 <= t < 256 for s in mixed for t in s.token_ids)
+    wl = WorkloadConfig(name="shared-prefix", groups=3, prompts_per_group=4, prefix_len=10,
+                        suffix_len=3, embed_frac=0.5, gen_output=LengthDist((5,)))
+    specs = request_specs(wl)
+    assert (wl.size, wl.num_embed, len(specs)) == (12, 6, 12)
+    groups = {}
+    for s in specs:
+        assert s.input_len == 13 and s.max_tokens == (0 if s.kind == EMBED else 5)
+        groups.setdefault(s.token_ids[:10], []).append(s.kind)
+    assert sorted(sorted(kinds) for kinds in groups.values()) == [[EMBED] * 2 + [GENERATE] * 2] * 3
+    assert len({s.token_ids[10:] for s in specs}) == 12, "every suffix its own"
+    control = request_specs(dataclasses.replace(wl, shared=False))
+    assert [(s.kind, s.input_len, s.max_tokens) for s in control] == \
+        [(s.kind, s.input_len, s.max_tokens) for s in specs]
+    assert len({s.token_ids[:10] for s in control}) == 12
+    gen_first = request_specs(dataclasses.replace(wl, order="gen-first"))
+    assert [s.kind for s in gen_first] == [GENERATE] * 6 + [EMBED] * 6
+    with pytest.raises(ValueError, match="prefix_len=-1"):
+        WorkloadConfig(name="shared-prefix", prefix_len=-1)
 
 
 def test_percentile():
@@ -193,6 +223,118 @@ def test_sim_cli_prints_and_writes_json(tmp_path, capsys):
     assert two["dedicated"].per_type[EMBED]["completed"] == 8
     with pytest.raises(SystemExit):
         sim_main(["--gen-prompt", "x"])
+
+
+def shared_prefix_sim(caching: bool, shared: bool = True) -> tuple:
+    """4 groups x 8 requests (4 embeddings, 4 generations of 8 tokens each), 120 shared + 16
+    own tokens, pages of 16, 8 closed-loop clients; the cost model records every step."""
+    sched, _ = small_sim()
+    workload = WorkloadConfig(name="shared-prefix", groups=4, prompts_per_group=8,
+                              prefix_len=120, suffix_len=16, embed_frac=0.5,
+                              gen_output=LengthDist((8,)), arrival="closed", clients=8,
+                              shared=shared)
+    cost = Recording(load_cost_model("roofline:h200"))
+    cfg = SimConfig(dataclasses.replace(sched, prefix_caching=caching), workload)
+    return simulate(cfg, cost), cost
+
+
+class Recording:
+    """A cost model that keeps the `StepShape` of every step it is asked about."""
+
+    def __init__(self, inner):
+        self.inner, self.shapes = inner, []
+
+    def step_time(self, shape: StepShape) -> float:
+        self.shapes.append(shape)
+        return self.inner.step_time(shape)
+
+
+def test_shared_prefix_sim_hits_the_hand_computed_fraction_and_serves_faster():
+    """Per request 136 tokens: a lookup covers (136 - 1) // 16 = 8 pages (128 tokens); the 7
+    full pages of the 120-token prefix are computed once per group and hit by its 7 other
+    requests (the scheduler holds them back while the first computes them; 4096 pages: no
+    eviction). Hit rate = 4 * 7 * 7 pages / (32 * 8 pages) = 196 / 256."""
+    on, _ = shared_prefix_sim(True)
+    off, _ = shared_prefix_sim(False)
+    assert on.preemptions == off.preemptions == 0
+    assert (on.cache_query_tokens, on.cache_hit_tokens) == (32 * 8 * 16, 4 * 7 * 7 * 16)
+    assert on.cache_hit_rate == 196 / 256
+    assert off.cache_hit_rate is None and off.cache_query_tokens == 0
+    for kind in (GENERATE, EMBED):
+        assert on.per_type[kind]["completed"] == off.per_type[kind]["completed"] == 16
+        assert on.per_type[kind]["throughput_rps"] > 1.5 * off.per_type[kind]["throughput_rps"]
+    control, _ = shared_prefix_sim(True, shared=False)
+    assert control.cache_hit_tokens == 0 and control.cache_query_tokens == 32 * 8 * 16
+    unshared_off, _ = shared_prefix_sim(False, shared=False)
+    assert unshared_off.to_dict() == off.to_dict(), "caching off: the tokens do not matter"
+
+
+def test_the_cost_model_is_charged_only_for_uncached_tokens():
+    """32 inputs of 136 tokens and 16 generations of 8 tokens (the first sampled by the
+    prefill, 7 decode steps each): off, every token is scheduled; on, the hits are not."""
+    every = 32 * 136 + 16 * 7
+    for caching in (False, True):
+        r, cost = shared_prefix_sim(caching)
+        charged = sum(s.tokens for s in cost.shapes)
+        assert charged == r.scheduled_tokens == every - r.cache_hit_tokens, caching
+        assert len(cost.shapes) == r.steps
+    assert every - r.cache_hit_tokens == 4464 - 3136
+
+
+def test_mixed_requests_never_hit_so_caching_changes_nothing():
+    sched, workload = small_sim()
+    on, off = (simulate(SimConfig(dataclasses.replace(sched, prefix_caching=caching), workload),
+                        load_cost_model("roofline:h200")) for caching in (True, False))
+    assert on.cache_hit_tokens == 0 and on.cache_query_tokens > 0
+    assert dataclasses.replace(on, cache_query_tokens=0, cache_hit_rate=None) == off
+
+
+def test_sim_cli_runs_the_cache_on_and_off_side_by_side(tmp_path, capsys):
+    path = tmp_path / "sp.json"
+    results = sim_main(["--workload", "shared-prefix", "--groups", "4", "--prompts-per-group",
+                        "8", "--prefix-len", "120", "--suffix-len", "16", "--gen-output", "8",
+                        "--embed-frac", "0.5", "--arrival", "closed", "--clients", "8",
+                        "--prefix-caching", "on,off", "--control", "--json", str(path)])
+    assert list(results) == ["ibs", "ibs unshared", "ibs/no-cache", "ibs/no-cache unshared"]
+    assert results["ibs"].cache_hit_rate == 196 / 256, "as in the hand-computed sim above"
+    assert results["ibs unshared"].cache_hit_rate == 0
+    printed = capsys.readouterr().out
+    assert "8 requests sharing a 120-token prefix" in printed and "hit rate" in printed
+    rows = {line.split()[0] + (" u" if "unshared" in line else ""): line
+            for line in printed.splitlines() if line.startswith("ibs")}
+    assert "76.6%" in rows["ibs"] and "0.0%" in rows["ibs u"] and " - " in rows["ibs/no-cache"]
+    data = json.loads(path.read_text())
+    assert data["config"]["prefix_caching"] == [True, False]
+    assert data["results"]["ibs"]["cache_hit_rate"] == 196 / 256
+    assert data["results"]["ibs/no-cache"]["cache_hit_rate"] is None
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--prefix-len", "-1"], "argument --prefix-len: -1 is outside [0, "),
+    (["--suffix-len", "0"], "argument --suffix-len: 0 is outside [1, "),
+    (["--groups", "-2"], "argument --groups: -2 is outside [1, "),
+    (["--prompts-per-group", "0"], "argument --prompts-per-group: 0 is outside [1, "),
+    (["--prefix-caching", "maybe"], "argument --prefix-caching: bad value 'maybe': 'maybe' is "
+     "not on or off"),
+    (["--prefix-caching", "on,on"], "bad value 'on,on': 'on' is not on or off, or comes twice"),
+    (["--prefix-caching", ""], "bad value '': '' is not on or off"),
+    (["--workload", "rag"], "argument --workload: invalid choice: 'rag'"),
+    (["--prefix-len", "4000"], "a generation request of up to 4032 + 256 = 4288 tokens does "
+     "not fit --max-model-len 4096"),
+    (["--groups", "10000", "--prompts-per-group", "10000"], "--groups 10000 x "
+     "--prompts-per-group 10000 = 100000000 requests; at most 10000000"),
+])
+def test_sim_shared_prefix_bad_flags_are_argparse_errors(flags, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        sim_main(["--workload", "shared-prefix", *flags])
+    assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_sim_control_needs_the_shared_prefix_workload(capsys):
+    with pytest.raises(SystemExit) as e:
+        sim_main(["--control"])
+    assert e.value.code == 2 and "--control needs --workload shared-prefix" in \
+        capsys.readouterr().err
 
 
 def test_packing_sim_chunked_fills_the_budget(tmp_path):

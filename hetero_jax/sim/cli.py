@@ -1,18 +1,22 @@
 """`hetero-jax sim`: run scheduling policies against a cost model and print what they give.
 
-In: argv (workload, policies, budget, chunk size, replicas, cost model). `dedicated` (with
-`--replicas` >= 2) is the static split: `--embed-replicas` replicas (default half) serve only
-embeddings and the rest only generation, each in arrival order. Every flag is checked before
-any simulation runs: a bad value, a request that can never fit (`--max-model-len`,
+In: argv (workload, policies, budget, chunk size, replicas, prefix caching, cost model).
+`dedicated` (with `--replicas` >= 2) is the static split: `--embed-replicas` replicas
+(default half) serve only embeddings and the rest only generation, each in arrival order.
+`--workload shared-prefix` runs the bench's groups sharing a prefix (`--groups`,
+`--prompts-per-group`, `--prefix-len`, `--suffix-len`; outputs from `--gen-output`, the mix
+from `--embed-frac`), with `--control` also the same lengths with nothing shared;
+`--prefix-caching on,off` runs every policy with the cache on and off. Every flag is checked
+before any simulation runs: a bad value, a request that can never fit (`--max-model-len`,
 `--num-pages`) or a `--json` path that cannot be written is a `parser.error` (exit status 2)
-naming the flag, the value and the limit. Out: one table row per policy on stdout
-(throughput per type, p50/p99 latency and TTFT, average budget fill, embedding share of
-scheduled tokens) and, with `--json PATH`, the same numbers as JSON:
-`{"config": {...}, "results": {policy: SimResult}}`. Imports no jax.
+naming the flag, the value and the limit. Out: one table row per policy, caching setting and
+workload on stdout (throughput per type, p50/p99 latency and TTFT, average budget fill,
+embedding share of scheduled tokens, prefix cache hit rate) and, with `--json PATH`, the
+same numbers as JSON: `{"config": {...}, "results": {row name: SimResult}}`. Imports no jax.
 
-The argument types here (`int_range`, `real_range`, `output_file`, `output_dir`) are shared by
-every `hetero-jax` command: this module imports no jax, so `generate` can check its flags
-before jax loads.
+The argument types here (`int_range`, `real_range`, `on_off`, `output_file`, `output_dir`) are
+shared by every `hetero-jax` command: this module imports no jax, so `generate` can check its
+flags before jax loads.
 """
 from __future__ import annotations
 
@@ -27,12 +31,13 @@ from hetero_jax.sched import EMBED, GENERATE, POLICIES, SchedulerConfig
 from hetero_jax.sim.costmodel import HARDWARE, MODELS, load_cost_model
 from hetero_jax.sim.report import format_table
 from hetero_jax.sim.simulate import SimConfig, simulate
-from hetero_jax.sim.workload import ARRIVALS, ORDERS, LengthDist, WorkloadConfig
+from hetero_jax.sim.workload import ARRIVALS, ORDERS, WORKLOADS, LengthDist, WorkloadConfig
 
 LIMITS = dict(budget=(1, 1 << 20), chunk=(1, 1 << 20), max_num_seqs=(1, 100_000),
               max_chunk_seqs=(1, 100_000), page_size=(1, 1 << 16), num_pages=(2, 10_000_000),
               max_model_len=(1, 1 << 24), replicas=(1, 1024), embed_replicas=(1, 1023),
-              requests=(1, 10_000_000), clients=(1, 1_000_000))
+              requests=(1, 10_000_000), clients=(1, 1_000_000), groups=(1, 1_000_000),
+              prompts_per_group=(1, 1_000_000), prefix_len=(0, 1 << 24), suffix_len=(1, 1 << 24))
 LENGTH_SPECS = "128, 96,224, 96:0.55,224:0.45 or 64-256"
 
 
@@ -137,6 +142,17 @@ def length_spec(text: str) -> str:
     return text
 
 
+def on_off(text: str) -> tuple:
+    """An argparse type: on, off or on,off -> (True,), (False,) or (True, False)."""
+    values = {"on": True, "off": False}
+    parts = text.split(",")
+    bad = next((p for i, p in enumerate(parts) if p not in values or p in parts[:i]), None)
+    if bad is not None:
+        raise argparse.ArgumentTypeError(f"bad value {text!r}: {bad!r} is not on or off, or "
+                                         "comes twice; expected on, off or on,off")
+    return tuple(values[p] for p in parts)
+
+
 def longest(dist: LengthDist) -> int:
     """The longest length `dist` can draw."""
     if dist.span:
@@ -171,16 +187,34 @@ def build_parser() -> argparse.ArgumentParser:
                    help="scheduler replicas behind the router")
     s.add_argument("--embed-replicas", type=ints["embed_replicas"], default=None,
                    help="dedicated: replicas that serve only embeddings (default: half)")
+    s.add_argument("--prefix-caching", type=on_off, default="on",
+                   help="on, off or on,off (side by side: each policy twice; the off rows "
+                   "are <policy>/no-cache)")
     w = p.add_argument_group("workload")
-    w.add_argument("--requests", type=ints["requests"], default=500, help="requests in the run")
+    w.add_argument("--workload", default="mixed", choices=WORKLOADS,
+                   help="mixed: independent requests; shared-prefix: groups sharing a prefix")
+    w.add_argument("--requests", type=ints["requests"], default=500,
+                   help="requests in the run (mixed; shared-prefix runs --groups x "
+                   "--prompts-per-group)")
     w.add_argument("--embed-frac", type=real_range(0, 1), default=0.2,
-                   help="fraction of the requests that are embeddings")
+                   help="fraction of the requests (shared-prefix: of each group's) that are "
+                   "embeddings")
     w.add_argument("--gen-prompt", type=length_spec, default="128",
                    help=f"length spec: {LENGTH_SPECS}")
     w.add_argument("--gen-output", type=length_spec, default="256",
                    help="generated tokens per generation request (length spec)")
     w.add_argument("--embed-len", type=length_spec, default="96:0.55,224:0.45",
                    help="embedding input length (length spec)")
+    w.add_argument("--groups", type=ints["groups"], default=8,
+                   help="shared-prefix: groups of requests that share a prefix")
+    w.add_argument("--prompts-per-group", type=ints["prompts_per_group"], default=16,
+                   help="shared-prefix: requests per group")
+    w.add_argument("--prefix-len", type=ints["prefix_len"], default=512,
+                   help="shared-prefix: tokens of the prefix a group shares")
+    w.add_argument("--suffix-len", type=ints["suffix_len"], default=32,
+                   help="shared-prefix: tokens of each request's own suffix")
+    w.add_argument("--control", action="store_true", help="shared-prefix: also run the same "
+                   "lengths with nothing shared (rows '<policy> unshared')")
     w.add_argument("--arrival", default="poisson", choices=ARRIVALS)
     w.add_argument("--rate", type=real_range(0, open_lo=True), default=20.0,
                    help="requests/s (poisson)")
@@ -211,13 +245,17 @@ def _policies(parser, args) -> tuple:
 
 def _fit_problem(args, workload: WorkloadConfig) -> str | None:
     """Why some request of the workload could never run, or None."""
-    n_embed = round(workload.num_requests * workload.embed_frac)
+    n_embed = workload.num_embed
+    if workload.name == "shared-prefix":
+        prompt = embed = workload.prefix_len + workload.suffix_len
+    else:
+        prompt, embed = longest(workload.gen_prompt), longest(workload.embed_len)
     longest_seq = {}  # kind -> (tokens, how they add up)
-    if n_embed < workload.num_requests:
-        prompt, output = longest(workload.gen_prompt), longest(workload.gen_output)
+    if n_embed < workload.size:
+        output = longest(workload.gen_output)
         longest_seq["a generation request"] = (prompt + output, f"{prompt} + {output} = ")
     if n_embed:
-        longest_seq["an embedding"] = (longest(workload.embed_len), "")
+        longest_seq["an embedding"] = (embed, "")
     for what, (tokens, sum_) in longest_seq.items():
         if tokens > args.max_model_len:
             return (f"{what} of up to {sum_}{tokens} tokens does not fit --max-model-len "
@@ -230,14 +268,31 @@ def _fit_problem(args, workload: WorkloadConfig) -> str | None:
     return None
 
 
-def _configs(parser, args) -> tuple:
-    """(policy names, one `SimConfig` each), or `parser.error` naming what cannot run."""
-    policies, split = _policies(parser, args)
-    workload = WorkloadConfig(
-        num_requests=args.requests, embed_frac=args.embed_frac,
+def _workload(parser, args) -> WorkloadConfig:
+    """The `WorkloadConfig` of the flags, or `parser.error` when they do not make one."""
+    shared_prefix = args.workload == "shared-prefix"
+    if args.control and not shared_prefix:
+        parser.error("--control needs --workload shared-prefix (the control is its "
+                     "workload with nothing shared)")
+    size, most = args.groups * args.prompts_per_group, LIMITS["requests"][1]
+    if shared_prefix and size > most:
+        parser.error(f"--groups {args.groups} x --prompts-per-group {args.prompts_per_group} "
+                     f"= {size} requests; at most {most}")
+    return WorkloadConfig(
+        name=args.workload, num_requests=args.requests, embed_frac=args.embed_frac,
         gen_prompt=LengthDist.parse(args.gen_prompt), gen_output=LengthDist.parse(args.gen_output),
         embed_len=LengthDist.parse(args.embed_len), arrival=args.arrival, rate=args.rate,
-        clients=args.clients, order=args.order, seed=args.seed)
+        clients=args.clients, order=args.order, seed=args.seed, groups=args.groups,
+        prompts_per_group=args.prompts_per_group, prefix_len=args.prefix_len,
+        suffix_len=args.suffix_len)
+
+
+def _configs(parser, args) -> tuple:
+    """(row names, one `SimConfig` each), or `parser.error` naming what cannot run. A row per
+    policy, prefix caching setting (with both, the off rows are `<policy>/no-cache`) and, with
+    `--control`, workload (`<policy> unshared`: the control)."""
+    policies, split = _policies(parser, args)
+    workload = _workload(parser, args)
     problem = _fit_problem(args, workload)
     if problem:
         parser.error(problem)
@@ -245,10 +300,19 @@ def _configs(parser, args) -> tuple:
         token_budget=args.budget, chunk_size=args.chunk, max_num_seqs=args.max_num_seqs,
         max_chunk_seqs=args.max_chunk_seqs, page_size=args.page_size, num_pages=args.num_pages,
         max_model_len=args.max_model_len)
-    return policies, [
-        SimConfig(dataclasses.replace(sched, policy="fcfs" if name == "dedicated" else name),
-                  workload, args.replicas, split if name == "dedicated" else 0)
-        for name in policies]
+    workloads = [("", workload)] + (
+        [(" unshared", dataclasses.replace(workload, shared=False))] if args.control else [])
+    both = len(args.prefix_caching) > 1
+    names, configs = [], []
+    for name in policies:
+        for caching in args.prefix_caching:
+            policy_sched = dataclasses.replace(
+                sched, policy="fcfs" if name == "dedicated" else name, prefix_caching=caching)
+            for suffix, wl in workloads:
+                names.append(f"{name}{'/no-cache' if both and not caching else ''}{suffix}")
+                configs.append(SimConfig(policy_sched, wl, args.replicas,
+                                         split if name == "dedicated" else 0))
+    return names, configs
 
 
 def _cost_model(parser, args):
@@ -270,7 +334,8 @@ COLUMNS = [
     ("TTFT p50 ms", "ttft_p50", "{:.1f}"), ("TTFT p99 ms", "ttft_p99", "{:.1f}"),
     ("emb p50 ms", "emb_p50", "{:.1f}"), ("emb p99 ms", "emb_p99", "{:.1f}"),
     ("fill", "fill", "{:.0%}"), ("emb tokens", "emb_share", "{:.1%}"),
-    ("steps", "steps", "{}"), ("preempted", "preemptions", "{}"),
+    ("hit rate", "hit_rate", "{:.1%}"), ("steps", "steps", "{}"),
+    ("preempted", "preemptions", "{}"),
 ]
 
 
@@ -286,21 +351,28 @@ def table_row(name: str, r) -> dict:
                 gen_p99=_ms(g["latency_p99_s"]), ttft_p50=_ms(g["ttft_p50_s"]),
                 ttft_p99=_ms(g["ttft_p99_s"]), emb_p50=_ms(e["latency_p50_s"]),
                 emb_p99=_ms(e["latency_p99_s"]), fill=r.avg_budget_fill,
-                emb_share=r.embed_token_share, steps=r.steps, preemptions=r.preemptions)
+                emb_share=r.embed_token_share, hit_rate=r.cache_hit_rate, steps=r.steps,
+                preemptions=r.preemptions)
 
 
 def sim_main(argv=None) -> dict:
-    """Entry point of `hetero-jax sim`; returns {policy: SimResult}."""
+    """Entry point of `hetero-jax sim`; returns {row name: SimResult}."""
     parser = build_parser()
     args = parser.parse_args(argv)
     cost = _cost_model(parser, args)
-    policies, configs = _configs(parser, args)
-    results = {name: simulate(cfg, cost) for name, cfg in zip(policies, configs)}
-    print(f"cost model: {cost.describe()}; {args.requests} requests, {args.arrival} arrivals, "
+    names, configs = _configs(parser, args)
+    results = {name: simulate(cfg, cost) for name, cfg in zip(names, configs)}
+    wl = configs[0].workload
+    what = f"{wl.size} requests" if wl.name == "mixed" else (
+        f"{wl.groups} groups x {wl.prompts_per_group} requests sharing a {wl.prefix_len}-token "
+        f"prefix, each with a {wl.suffix_len}-token suffix")
+    print(f"cost model: {cost.describe()}; {what}, {args.arrival} arrivals, "
           f"{args.replicas} replica(s), budget {args.budget}, chunk {args.chunk}")
     print(format_table([table_row(n, r) for n, r in results.items()], COLUMNS))
     print("latencies from arrival; TTFT: to the first generated token; fill: scheduled tokens /\n"
-          "token budget, mean over steps; emb tokens: the embeddings' share of scheduled tokens")
+          "token budget, mean over steps; emb tokens: the embeddings' share of scheduled tokens;\n"
+          "hit rate: tokens found in the prefix cache / full-page tokens looked up at admission\n"
+          "(- : cache off)")
     if args.json:
         write_json(args.json, {"config": vars(args),
                                "results": {n: r.to_dict() for n, r in results.items()}}, indent=2)

@@ -9,8 +9,15 @@ plus outputs still to generate) among those that serve its type: every replica, 
 generation (the paper's static split over disjoint devices). At a step's end a fake runner
 samples token 7 for every sampling item (sims never stop early: generation runs to its
 `max_tokens`) and `update()` advances the requests. Out: a `SimResult` with throughput per
-type, p50/p99 latency and TTFT, average budget fill and the embedding share of the scheduled
-tokens. Imports no jax.
+type, p50/p99 latency and TTFT, average budget fill, the embedding share of the scheduled
+tokens and the prefix cache's hit rate.
+
+Prefix caching (`SchedulerConfig.prefix_caching`) is the scheduler's own: every request
+carries the workload's token ids and one chain seed, so a request hits the pages of another
+exactly where their tokens agree. A hit moves the request's first scheduled token past its
+cached pages, so the cost model, which sees only scheduled items, charges nothing for cached
+tokens' FLOPs and weights, and still charges the attention reads over them (an item's context
+is its start plus its tokens). Imports no jax.
 """
 from __future__ import annotations
 
@@ -20,6 +27,7 @@ import itertools
 
 from hetero_jax.sched import (EMBED, GENERATE, Request, RunnerOutput, SampledToken, Scheduler,
                               SchedulerConfig)
+from hetero_jax.sched.hashing import chain_seed
 from hetero_jax.sim.costmodel import StepShape
 from hetero_jax.sim.report import percentile
 from hetero_jax.sim.workload import WorkloadConfig, arrival_times, request_specs
@@ -66,6 +74,7 @@ class Simulation:
         self.done: list = []
         self.totals = _Totals()
         self._issued = 0
+        self._cache_seed = chain_seed("hetero-jax sim", cfg.scheduler.page_size)
 
     def run(self) -> "SimResult":
         wl = self.cfg.workload
@@ -92,7 +101,8 @@ class Simulation:
 
     def _issue(self, t: float) -> None:
         spec = self.specs[self._issued]
-        req = Request(self._issued, [7] * spec.input_len, spec.max_tokens, kind=spec.kind)
+        req = Request(self._issued, list(spec.token_ids), spec.max_tokens, kind=spec.kind,
+                      cache_seed=self._cache_seed)
         self._issued += 1
         self._push(t, "arrive", req)
 
@@ -139,6 +149,10 @@ class SimResult:
     busy_s: float
     preemptions: int
     per_type: dict  # kind -> metrics
+    scheduled_tokens: int  # every step's tokens: what the cost model charged for
+    cache_query_tokens: int  # full-page tokens that admissions looked up in the prefix cache
+    cache_hit_tokens: int  # of those, the ones found (and so never scheduled)
+    cache_hit_rate: float | None  # hit / query tokens; None when nothing was looked up
 
     @classmethod
     def collect(cls, sim: Simulation, end: float) -> "SimResult":
@@ -157,8 +171,12 @@ class SimResult:
                 "tokens_per_s": tokens / end if end else 0.0,
                 "latency_p50_s": percentile(lat, 50), "latency_p99_s": percentile(lat, 99),
                 "ttft_p50_s": percentile(first, 50), "ttft_p99_s": percentile(first, 99)}
+        page = sim.cfg.scheduler.page_size
+        query = page * sum(r.sched.pages.query_pages for r in sim.replicas)
+        hit = page * sum(r.sched.pages.hit_pages for r in sim.replicas)
         return cls(end, tot.steps, tot.fill / max(tot.steps, 1),
-                   tot.embed_tokens / max(tot.tokens, 1), tot.busy_s, tot.preemptions, per_type)
+                   tot.embed_tokens / max(tot.tokens, 1), tot.busy_s, tot.preemptions, per_type,
+                   tot.tokens, query, hit, hit / query if query else None)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
