@@ -3,13 +3,15 @@
     hetero-jax generate [--preset small | --model DIR] [--num-prompts N] [--max-tokens N] ...
     hetero-jax sim [--policy ibs] [--cost roofline:h200] ...
     hetero-jax bench [--preset small] [--ratios 9:1,5:5,1:9] [--json PATH] [--plot PATH] ...
+    hetero-jax batch INPUT --output OUTPUT [--preset tiny | --model DIR] [--errors PATH] ...
 
 `generate` runs a batch generation with a progress bar and prints a throughput summary (the
 bench's `bench.loop.summarize` over the outputs; `--json` writes it);
 `sim` runs a scheduling policy in the discrete-event simulator (`hetero_jax.sim`);
-`bench` runs every scheduler on the same closed-loop workload (`hetero_jax.bench`).
+`bench` runs every scheduler on the same closed-loop workload (`hetero_jax.bench`);
+`batch` runs an offline, resumable batch job over a file of rows (`hetero_jax.offline`).
 Each command checks its flags, and that the paths it will write can be written, before any
-work (and `generate` before it imports jax): a bad one is an argparse error, exit status 2.
+work (`generate` and `batch` before they import jax): a bad one is an argparse error, exit status 2.
 """
 from __future__ import annotations
 
@@ -78,6 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "(hetero-jax sim --help)", add_help=False)
     sub.add_parser("bench", help="closed-loop benchmark of every scheduler side by side "
                    "(hetero-jax bench --help)", add_help=False)
+    sub.add_parser("batch", help="resumable offline job: embed and generate for every row of "
+                   "a JSONL file (hetero-jax batch --help)", add_help=False)
     g = sub.add_parser("generate", help="batch generation with a throughput summary")
     ints = {name: int_range(*limits) for name, limits in LIMITS.items()}
     g.add_argument("--preset", default="small", choices=list(PRESETS),
@@ -120,6 +124,9 @@ def main(argv=None) -> int:
         except (ValueError, FileNotFoundError) as e:
             print(f"hetero-jax bench: error: {e}", file=sys.stderr)
             return 2
+    if argv[:1] == ["batch"]:  # checks everything before jax
+        from hetero_jax.offline.cli import batch_main
+        return batch_main(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

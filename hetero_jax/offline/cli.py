@@ -1,0 +1,203 @@
+"""`hetero-jax batch INPUT --output OUTPUT`: an offline batch job on one engine.
+
+    hetero-jax batch INPUT --output OUTPUT [--errors PATH] [--preset tiny | --model DIR]
+                     [--scheduler ibs] [--token-budget N] [--max-in-flight N] ...
+
+In: argv. Every check runs before jax is imported, and each failure is a `parser.error`
+(exit status 2) naming the value: INPUT must be a batch input (`rows.check_input`), OUTPUT
+and ERRORS writable and apart from each other and from INPUT, OUTPUT resumable
+(`OutputJournal.open` locks it, reads the ids it holds and cuts a torn last line). Then
+`make_front` builds the engine and its front (the one place that knows it is one `Engine`),
+`job.run_job` runs every row OUTPUT lacks under a tqdm bar on stderr, and a summary goes to
+stdout. Exit status 0 when the job ran to its end, rows in ERRORS or not (the summary counts
+them); 1 when it stopped early on an error, 130 on Ctrl-C (the rows written are kept: the same
+command resumes). A front over replicas plugs in at `make_front`; nothing else changes.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import time
+
+from hetero_jax.models.presets import PRESETS
+from hetero_jax.offline.job import EngineFront, Tally, count_to_run, run_job
+from hetero_jax.offline.journal import ErrorLog, OutputError, OutputJournal
+from hetero_jax.offline.rows import InputError, check_input, read_rows
+from hetero_jax.sched import POLICIES
+from hetero_jax.sim.cli import int_range, output_dir, output_file, output_problem
+
+LIMITS = dict(token_budget=(1, 8192), chunk_size=(1, 8192), max_num_seqs=(1, 1024),
+              max_in_flight=(1, 1_000_000), seed=(0, 2**32 - 1))
+DEFAULT_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "hetero-jax", "xla")  # bench's
+ERRORS_SUFFIX = ".errors.jsonl"
+
+
+def model_dir(text: str) -> str:
+    if not os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a directory")
+    return text
+
+
+def compile_cache(text: str) -> str:
+    return text if text == "none" else output_dir(text)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="hetero-jax batch", description="Embed and generate for "
+                                "every row of a JSONL (or Parquet) file on one engine; resumable.")
+    ints = {name: int_range(*limits) for name, limits in LIMITS.items()}
+    p.add_argument("input", metavar="INPUT", help="JSONL rows {id, embed | prompt, knobs...} "
+                   "(Parquet with pyarrow installed)")
+    p.add_argument("--output", type=output_file, required=True, metavar="OUTPUT",
+                   help="JSONL results, one row per id, appended as rows finish; a rerun "
+                   "skips the ids it holds")
+    p.add_argument("--errors", type=output_file, default=None, metavar="PATH",
+                   help=f"rows that failed, with line numbers (default: OUTPUT{ERRORS_SUFFIX}; "
+                   "rewritten by every run)")
+    p.add_argument("--preset", default="tiny", choices=list(PRESETS),
+                   help="embedded model (random weights, no download)")
+    p.add_argument("--model", type=model_dir, default=None, metavar="DIR",
+                   help="local Hugging Face directory (overrides --preset)")
+    p.add_argument("--scheduler", default="ibs", choices=list(POLICIES),
+                   help="scheduling policy of the engine")
+    p.add_argument("--token-budget", type=ints["token_budget"], default=256,
+                   help="tokens per engine step")
+    p.add_argument("--chunk-size", type=ints["chunk_size"], default=64,
+                   help="prompt tokens per chunk")
+    p.add_argument("--max-num-seqs", type=ints["max_num_seqs"], default=32,
+                   help="sequences per engine step")
+    p.add_argument("--max-in-flight", type=ints["max_in_flight"], default=None,
+                   help="requests handed to the engine at a time; a killed run redoes at most "
+                   "these (default: 4 x --max-num-seqs)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="weights and activations")
+    p.add_argument("--seed", type=ints["seed"], default=0,
+                   help="weights (preset) and the sampling seed of prompt rows without one")
+    p.add_argument("--compile-cache", type=compile_cache, default=DEFAULT_CACHE, metavar="DIR",
+                   help="persistent XLA compilation cache, shared with the bench ('none' "
+                   "disables)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+@dataclasses.dataclass
+class Plan:
+    """A checked job: its files opened, what it has to run."""
+
+    journal: OutputJournal
+    errors: ErrorLog
+    rows: int  # rows this run hands to the engine
+
+
+def check(parser: argparse.ArgumentParser, args) -> Plan:
+    """Every check before any model work, each failure a parser.error naming the value."""
+    try:
+        check_input(args.input)
+    except InputError as e:
+        parser.error(f"argument INPUT: {e}")
+    if args.errors is None:
+        args.errors = args.output + ERRORS_SUFFIX
+        problem = output_problem(args.errors)
+        if problem:
+            parser.error(f"argument --errors: cannot write {args.errors!r} (OUTPUT"
+                         f"{ERRORS_SUFFIX}): {problem}")
+    paths = {"INPUT": args.input, "--output": args.output, "--errors": args.errors}
+    seen = {}
+    for flag, path in paths.items():
+        other = seen.setdefault(os.path.realpath(path), flag)
+        if other != flag:
+            parser.error(f"argument {flag}: {path!r} is {other} too; pick another path")
+    try:
+        journal = OutputJournal.open(args.output)
+    except OutputError as e:
+        parser.error(f"argument --output: {e}")
+    try:
+        rows = count_to_run(read_rows(args.input, args.seed), journal.done)
+        errors = ErrorLog(args.errors)
+    except (InputError, OutputError) as e:
+        journal.close()
+        parser.error(f"argument {'INPUT' if isinstance(e, InputError) else '--errors'}: {e}")
+    return Plan(journal, errors, rows)
+
+
+def make_front(args):
+    """-> (the front the job runs on, its engine, a line describing it)."""
+    from hetero_jax import Engine, EngineConfig
+
+    cfg = EngineConfig(token_budget=args.token_budget, chunk_size=args.chunk_size,
+                       max_num_seqs=args.max_num_seqs, dtype=args.dtype,
+                       scheduler=args.scheduler, seed=args.seed)
+    if args.model:
+        engine = Engine.from_pretrained(args.model, config=cfg)
+    else:
+        engine = Engine.from_preset(args.preset, seed=args.seed, config=cfg)
+    in_flight = args.max_in_flight or 4 * cfg.max_num_seqs
+    line = (f"model: {args.model or args.preset} ({engine.model_cfg.num_params / 1e6:.1f}M "
+            f"params, {args.dtype}); scheduler {cfg.scheduler}, budget {cfg.token_budget} "
+            f"tokens, chunk {cfg.chunk_size}, {cfg.max_num_seqs} sequences, {in_flight} "
+            "requests in flight")
+    return EngineFront(engine, in_flight), engine, line
+
+
+def batch_main(argv=None) -> int:
+    start = time.perf_counter()
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    plan = check(parser, args)
+    try:
+        return _run(parser, args, plan, start)
+    finally:
+        plan.journal.close()
+        plan.errors.close()
+
+
+def _run(parser, args, plan: Plan, start: float) -> int:
+    done = len(plan.journal.done)
+    print(f"input: {args.input}; {plan.rows} rows to run, {done} already in {args.output}"
+          + (f" (a torn last line of {plan.journal.dropped_bytes} bytes, left by a killed "
+             "run, was cut)" if plan.journal.dropped_bytes else ""), flush=True)
+    if args.compile_cache != "none":
+        from hetero_jax.bench.cli import enable_compile_cache
+        enable_compile_cache(args.compile_cache)
+    try:
+        front, engine, line = make_front(args)
+    except (ValueError, FileNotFoundError) as e:
+        parser.exit(2, f"hetero-jax batch: error: {e}\n")
+    print(line, flush=True)
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=plan.rows, unit="row", desc="rows", disable=args.no_progress)
+
+    def on_batch(n: int, tally: Tally) -> None:
+        bar.update(n)
+        bar.set_postfix(tok_s=f"{tally.gen_tokens / max(tally.wall_s, 1e-9):.1f}", refresh=False)
+
+    try:
+        tally = run_job(read_rows(args.input, args.seed), front, plan.journal, plan.errors,
+                        on_batch)
+    except KeyboardInterrupt:
+        print("\ninterrupted; the rows written are kept: rerun the same command to resume",
+              file=sys.stderr)
+        return 130
+    except Exception:
+        print("hetero-jax batch: the job stopped; the rows written are kept: rerun the same "
+              "command to resume", file=sys.stderr)
+        raise
+    finally:
+        bar.close()
+    print_summary(args, tally, engine.stats, time.perf_counter() - start)
+    return 0
+
+
+def print_summary(args, t: Tally, stats, total_s: float) -> None:
+    wall = max(t.wall_s, 1e-9)
+    print(f"{t.written} rows in {t.wall_s:.1f} s: {t.written / wall:.2f} rows/s ({t.embeds} "
+          f"embeddings, {t.gens} generations); {t.gen_tokens} tokens generated "
+          f"({t.gen_tokens / wall:.1f} tokens/s), {t.prompt_tokens} input tokens "
+          f"({t.prompt_tokens / wall:.1f} tokens/s); {stats.compile_s:.1f} s of it compiling "
+          f"{stats.compiles} step variants")
+    print(f"{args.output}: {t.written} rows written, {t.skipped} already there; {args.errors}: "
+          f"{t.errors} rows ({t.bad_rows} bad rows, {t.refused} refused by the engine, "
+          f"{t.failed} failed running); {total_s:.1f} s in all")
