@@ -53,6 +53,11 @@ class EngineConfig:
     chunk_seq_buckets: tuple | None = None  # None: (0, 1, max_chunk_seqs)
     seed: int = 0
     prefix_caching: bool = True  # reuse the K/V (and pooler sums) of cached prompt prefixes
+    # Cascade attention in decode-only steps: decode sequences sharing pages are cut into tiles
+    # of `cascade_rows` that read the shared pages once; a step uses it when the tiles save at
+    # least `cascade_min_pages` page reads. cascade_rows=0 turns it off.
+    cascade_rows: int = 8
+    cascade_min_pages: int = 16
     # buffered_head(hidden [max_model_len, d], length) -> [d]: a jittable function of all of an
     # embedding input's hidden states (rows past `length` are stale), for PoolingParams(
     # pooling="buffered"). Enabling it keeps max_num_seqs x max_model_len x d floats on device.
@@ -60,7 +65,8 @@ class EngineConfig:
 
     def __post_init__(self):
         for name, lo in (("token_budget", 1), ("chunk_size", 1), ("max_num_seqs", 1),
-                         ("max_chunk_seqs", 1), ("page_size", 1), ("max_logprobs", 0)):
+                         ("max_chunk_seqs", 1), ("page_size", 1), ("max_logprobs", 0),
+                         ("cascade_rows", 0), ("cascade_min_pages", 1)):
             object.__setattr__(self, name, require_int(name, getattr(self, name), lo, INT32_MAX))
         for name, lo in (("num_pages", 2), ("max_model_len", 1)):
             if getattr(self, name) is not None:
@@ -116,11 +122,24 @@ class EngineConfig:
                 raise ValueError(f"{name}={getattr(cfg, name)} must reach {need}")
         return cfg
 
+    def cascade_tiles(self, s: int) -> tuple:
+        """(tiles G, rows M) of a cascade step with S sequence slots."""
+        rows = min(self.cascade_rows, s)
+        return s // rows, rows
+
     def variants(self) -> list:
-        """Every reachable (T, S, Sc, pages_per_seq): S sequences need at least S tokens."""
+        """Every reachable (T, S, Sc, pages_per_seq, shared_pages): S sequences need at least S
+        tokens; shared_pages > 0 (cascade attention) only in decode-only steps (Sc = 0, T and S
+        the buckets of one token per sequence), whose pages_per_seq counts the pages after the
+        shared ones."""
         out = set()
         for t, s, sc, p in itertools.product(self.token_buckets, self.seq_buckets,
                                              self.chunk_seq_buckets, self.page_buckets):
             if s <= pad_to_bucket(min(t, self.max_num_seqs), self.seq_buckets):
-                out.add((t, s, min(sc, s), p))
+                out.add((t, s, min(sc, s), p, 0))
+        if self.cascade_rows:
+            decode_only = {(pad_to_bucket(n, self.token_buckets), pad_to_bucket(n, self.seq_buckets))
+                           for n in range(2, min(self.max_num_seqs, self.token_buckets[-1]) + 1)}
+            out.update((t, s, 0, p, ps) for t, s in decode_only
+                       for p, ps in itertools.product(self.page_buckets, self.page_buckets))
         return sorted(out)

@@ -47,6 +47,7 @@ class EngineStats:
     cache_query_tokens: int = 0
     cache_hit_tokens: int = 0
     cache_evictions: int = 0
+    cascade_steps: int = 0  # decode steps that read shared pages once per tile (cascade)
 
     @property
     def cache_hit_rate(self) -> float:

@@ -151,3 +151,16 @@ def test_salts_isolate_and_reset_empties_the_cache_while_requests_run():
         PoolingParams(cache_salt=b"x")
     with pytest.raises(ValueError, match="prefix_caching='yes' must be True or False"):
         EngineConfig(prefix_caching="yes")
+
+
+def test_cascade_decode_steps_equal_plain_ones():
+    """Decodes sharing cached pages read them once per tile (cache on); without the cache
+    nothing is shared and every step is plain; tokens and log-probs are the same."""
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2)
+    reqs = [GenerateRequest(PREFIX + suffix(1 + i), params) for i in range(6)]
+    reqs += [GenerateRequest(PREFIX[:17] + suffix(5), params) for _ in range(2)]
+    engines = engine_pair(cascade_min_pages=1, cascade_rows=4)
+    out = runs(engines, [reqs[:1], reqs])
+    assert engines[True].stats.cascade_steps > 0 and engines[False].stats.cascade_steps == 0
+    for a, b in zip(out[True], out[False]):
+        assert_same_generation(a, b)

@@ -41,8 +41,8 @@ def test_step_lies_embeddings_then_prefills_then_decodes_on_the_token_axis():
     out = sched.schedule()
     assert [(it.request_id, it.kind) for it in out.items] == [(1, EMBED), (2, PREFILL),
                                                              (0, DECODE)]
-    (t, s, sc, _), batch = pack_batch(out.items, cfg)
-    assert (t, s, sc) == (32, 8, 4)
+    (t, s, sc, _, shared), batch = pack_batch(out.items, cfg)
+    assert (t, s, sc, shared) == (32, 8, 4, 0)
     assert batch.tokens[:27].tolist() == list(range(100, 116)) + list(range(30, 40)) + [9]
     assert batch.positions[:27].tolist() == list(range(16)) + list(range(10)) + [4]
     slot, dummy = embed.pool_slot, cfg.max_num_seqs

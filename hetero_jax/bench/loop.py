@@ -196,7 +196,8 @@ def summarize(records: list, delta: dict, token_budget: int) -> dict:
         ttft_p50_s=percentile(ttft, 50), ttft_p99_s=percentile(ttft, 99),
         budget_fill=delta["scheduled_tokens"] / max(steps * token_budget, 1),
         steps=steps, compiles=delta["compiles"], compile_s=delta["compile_stall_s"],
-        cache_hit_rate=delta["cache_hit_tokens"] / max(delta["cache_query_tokens"], 1))
+        cache_hit_rate=delta["cache_hit_tokens"] / delta["cache_query_tokens"]
+        if delta.get("cache_query_tokens") else None)  # None: nothing looked up (no cache)
     for kind, rs in by_kind.items():
         for q in (50, 99):
             row[f"{kind}_p{q}_latency_s"] = percentile([r.done - r.submit for r in rs], q)

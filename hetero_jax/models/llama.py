@@ -35,6 +35,7 @@ import numpy as np
 from hetero_jax.models.config import ModelConfig
 from hetero_jax.models.layers import is_unrolled
 from hetero_jax.models.lora import lora_delta, projection_dims
+from hetero_jax.ops.cascade import CascadeMeta
 
 
 @flax.struct.dataclass
@@ -54,6 +55,7 @@ class AttnMeta:
     page_indices: jax.Array  # [S, pages_per_seq]
     cu_q_lens: jax.Array  # [S+1]
     num_seqs: jax.Array  # [] int32
+    cascade: CascadeMeta | None = None  # decode sequences sharing pages: read them once per tile
 
 
 def layer_shapes(cfg: ModelConfig) -> dict:
@@ -197,7 +199,8 @@ class Block(nn.Module):
         k_cache = k_cache.at[layer, x.page, x.offset].set(k.astype(k_cache.dtype))
         v_cache = v_cache.at[layer, x.page, x.offset].set(v.astype(v_cache.dtype))
         o = self.attn_fn(q, k_cache[layer], v_cache[layer], x.meta.kv_lens,
-                         x.meta.page_indices, x.meta.cu_q_lens, x.meta.num_seqs)
+                         x.meta.page_indices, x.meta.cu_q_lens, x.meta.num_seqs,
+                         cascade=x.meta.cascade)
         h = h + _linear(lp, "wo", o.reshape(h.shape[0], -1).astype(h.dtype), ids)
         y = rms_norm(h, lp["mlp_norm"], cfg.rms_norm_eps)
         gate, up = _linear(lp, "w_gate", y, ids), _linear(lp, "w_up", y, ids)
@@ -226,8 +229,8 @@ class UnrolledBlocks(nn.Module):
 class LlamaModel(nn.Module):
     """The decoder (`__call__`) and its LM head (`logits`) over the params pytree above.
 
-    `attn_fn(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs)` is a ragged
-    paged attention with its static hints bound (None when only `logits` runs); `unrolled`
+    `attn_fn(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, cascade=)` is a
+    ragged paged attention with its static hints bound (None when only `logits` runs); `unrolled`
     must match the params layout (`is_unrolled`).
     """
 

@@ -11,6 +11,9 @@ The XLA version splits the sequences into two groups so that padding stays low:
 A token of sequence `s >= num_multi_query_seqs` must therefore be that sequence's only token;
 the runner sorts chunks before decode tokens, so this holds by construction. Left at their
 defaults (`None`) the hints make the first group cover everything, which is always correct.
+With a `cascade` plan (`cascade.CascadeMeta`, indices relative to the decode group) the decode
+group reads the pages its sequences share once per tile (`cascade.attend_decode_cascade`);
+the result is the same.
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from hetero_jax.ops.cascade import CascadeMeta, attend_decode_cascade
 from hetero_jax.ops.pallas_attention import ragged_paged_attention_pallas
 
 _MASKED = -1e30
@@ -69,7 +73,7 @@ def _attend_last(q, k, v, kv_lens, sm_scale):
 
 
 def _ragged_paged_attention_xla(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens,
-                                num_seqs, sm_scale, max_q_len, num_multi_query_seqs):
+                                num_seqs, sm_scale, max_q_len, num_multi_query_seqs, cascade):
     t = q.shape[0]
     s = kv_lens.shape[0]
     seq_valid = jnp.arange(s) < num_seqs
@@ -92,8 +96,11 @@ def _ragged_paged_attention_xla(q, k_pages, v_pages, kv_lens, page_indices, cu_q
         out = jnp.where(in_a[:, None, None], out_a[jnp.clip(seq_of_tok, 0, sa - 1), local], out)
     if sa < s:  # the single-query sequences sa.. (decode tokens)
         last = jnp.clip(cu_q_lens[sa + 1:] - 1, 0, t - 1)  # [S - sa]
-        out_b = _attend_last(q[last], _gather_kv(k_pages, page_indices[sa:]),
-                             _gather_kv(v_pages, page_indices[sa:]), kv_lens[sa:], sm_scale)
+        if cascade is None:
+            out_b = _attend_last(q[last], _gather_kv(k_pages, page_indices[sa:]),
+                                 _gather_kv(v_pages, page_indices[sa:]), kv_lens[sa:], sm_scale)
+        else:
+            out_b = attend_decode_cascade(q[last], k_pages, v_pages, cascade, sm_scale)
         out = jnp.where((seq_of_tok >= sa)[:, None, None],
                         out_b[jnp.clip(seq_of_tok - sa, 0, s - sa - 1)], out)
     return jnp.where(tok_valid[:, None, None], out, 0.0).astype(q.dtype)
@@ -103,12 +110,15 @@ def _ragged_paged_attention_xla(q, k_pages, v_pages, kv_lens, page_indices, cu_q
                                              "num_multi_query_seqs", "interpret"))
 def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *,
                            sm_scale=None, impl="xla", max_q_len=None,
-                           num_multi_query_seqs=None, interpret=False):
+                           num_multi_query_seqs=None, interpret=False,
+                           cascade: CascadeMeta | None = None):
     """Attention of ragged new tokens over paged KV; see the module docstring.
 
     q [T, Hq, D]; k_pages, v_pages [P, page_size, Hkv, D]; kv_lens [S]; page_indices [S, pps];
     cu_q_lens [S+1]; num_seqs int32 scalar. Static hints: `max_q_len` bounds the queries of
     each of the first `num_multi_query_seqs` sequences; all later sequences have one query.
+    `cascade` (arrays; its decode group is sequences num_multi_query_seqs.. of S) reads shared
+    prefixes once per tile; the decode rows of `page_indices` are then not read.
     """
     t, hq, d = q.shape
     s = kv_lens.shape[0]
@@ -119,11 +129,12 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens
     if impl == "xla":
         return _ragged_paged_attention_xla(q, k_pages, v_pages, kv_lens, page_indices,
                                            cu_q_lens, num_seqs, sm_scale, max_q_len,
-                                           num_multi_query_seqs)
+                                           num_multi_query_seqs, cascade)
     if impl == "pallas":
         return ragged_paged_attention_pallas(q, k_pages, v_pages, kv_lens, page_indices,
                                              cu_q_lens, num_seqs, sm_scale=sm_scale,
-                                             interpret=interpret)
+                                             interpret=interpret, cascade=cascade,
+                                             num_multi_query_seqs=num_multi_query_seqs)
     raise ValueError(f"unknown attention impl {impl!r}; expected 'xla' or 'pallas'")
 
 

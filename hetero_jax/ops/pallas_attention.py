@@ -30,15 +30,18 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 import numpy as np
 
+from hetero_jax.ops.cascade import merge_parts
+
 _MASKED = -0.7 * float(np.finfo(np.float32).max)
 
 
-def _ragged_paged_attention_kernel(work_ref, page_ref, q_ref, k_ref, v_ref, o_ref, *, sm_scale,
-                                   block_q, group, group_pad, num_kv_heads, page_size,
+def _ragged_paged_attention_kernel(work_ref, page_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *,
+                                   sm_scale, block_q, group, group_pad, num_kv_heads, page_size,
                                    pages_per_block, spare_rows):
     """One (kv head, query block): work_ref [W, 5], page_ref [S, pps'], q_ref [T * Hq, D],
     k_ref/v_ref [P * page_size * Hkv, D] (row = (page * page_size + slot) * Hkv + head),
-    o_ref [T * Hq (+ M spare rows in interpret mode), D]."""
+    o_ref [T * Hq (+ M spare rows in interpret mode), D], lse_ref [T * Hq (+ M)]: each row's
+    log-sum-exp of its scaled scores (for merging with another part, as cascade does)."""
     h, w = pl.program_id(0), pl.program_id(1)
     seq, q_start, q_count = work_ref[w, 0], work_ref[w, 1], work_ref[w, 2]
     q_pos0, kv_end = work_ref[w, 3], work_ref[w, 4]
@@ -61,7 +64,8 @@ def _ragged_paged_attention_kernel(work_ref, page_ref, q_ref, k_ref, v_ref, o_re
         v = jnp.where((key_pos < kv_end)[:, None], v_ref[kv_rows, :], 0)  # stale slots: 0 * NaN
         s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=lax.Precision.HIGHEST,
                             preferred_element_type=jnp.float32) * sm_scale  # [M, block_k]
-        s = jnp.where(key_pos[None, :] <= q_pos[:, None], s, _MASKED)
+        s = jnp.where((key_pos[None, :] <= q_pos[:, None]) & (key_pos < kv_end)[None, :], s,
+                      _MASKED)
         m_next = jnp.maximum(m, s.max(axis=-1))
         correction = jnp.exp(m - m_next)
         p = jnp.exp(s - m_next[:, None])
@@ -72,7 +76,7 @@ def _ragged_paged_attention_kernel(work_ref, page_ref, q_ref, k_ref, v_ref, o_re
     init = (jnp.zeros((m_rows, q.shape[-1]), jnp.float32),
             jnp.full((m_rows,), jnp.finfo(jnp.float32).min, jnp.float32),
             jnp.zeros((m_rows,), jnp.float32))
-    o, _, l = lax.fori_loop(0, pl.cdiv(kv_end, block_k), body, init)
+    o, m, l = lax.fori_loop(0, pl.cdiv(kv_end, block_k), body, init)
     out = o / jnp.where(l == 0.0, 1.0, l)[:, None]  # items without KV (padding) give zeros
     # Interpret mode writes masked rows back with their old value, so they must not alias a
     # valid row: there they go to this program's spare rows. On GPU they are never written.
@@ -80,6 +84,8 @@ def _ragged_paged_attention_kernel(work_ref, page_ref, q_ref, k_ref, v_ref, o_re
     cols = jnp.arange(q.shape[-1])  # all-array indices: interpret mode has no masked mixed store
     pltriton.store(o_ref.at[o_rows[:, None], cols[None, :]], out.astype(o_ref.dtype),
                    mask=row_ok[:, None])
+    lse = jnp.where(l == 0.0, _MASKED, m + jnp.log(jnp.where(l == 0.0, 1.0, l)))
+    pltriton.store(lse_ref.at[o_rows], lse, mask=row_ok)
 
 
 def _work_list(kv_lens, cu_q_lens, num_seqs, num_tokens, block_q, num_items, max_kv):
@@ -106,13 +112,12 @@ def _work_list(kv_lens, cu_q_lens, num_seqs, num_tokens, block_q, num_items, max
     return jnp.stack(work, axis=1).astype(jnp.int32)
 
 
-def ragged_paged_attention_unjitted(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens,
-                                    num_seqs, *, sm_scale, block_q, pages_per_block, num_warps,
-                                    num_stages, interpret):
-    """Builds the work list and calls the kernel; shapes as in the module docstring."""
+def _launch(work, page_indices, q, k_pages, v_pages, *, sm_scale, block_q, pages_per_block,
+            num_warps, num_stages, interpret):
+    """The kernel over work items `[W, 5]` whose seq column indexes `page_indices [N, pps]`:
+    q [T, Hq, D] -> (out [T, Hq, D], lse [T, Hq] fp32)."""
     t, hq, d = q.shape
     num_pages, page_size, hkv, _ = k_pages.shape
-    s, pps = page_indices.shape
     group = hq // hkv
     group_pad = pl.next_power_of_2(group)
     block_k = pages_per_block * page_size
@@ -120,37 +125,90 @@ def ragged_paged_attention_unjitted(q, k_pages, v_pages, kv_lens, page_indices, 
         for name, n in (("block_q * group_pad", block_q * group_pad), ("block_k", block_k),
                         ("head_dim", d)):
             assert n >= 16 and n & (n - 1) == 0, f"Triton needs {name}={n} a power of two >= 16"
-    num_items = min(t, (t + (s + 1) * (block_q - 1)) // block_q)
-    work = _work_list(kv_lens, cu_q_lens, num_seqs, t, block_q, num_items, pps * page_size)
-    pad_cols = -pps % pages_per_block
+    pad_cols = -page_indices.shape[1] % pages_per_block
     page_indices = jnp.pad(jnp.clip(page_indices, 0, num_pages - 1), ((0, 0), (0, pad_cols)))
     kernel = functools.partial(
         _ragged_paged_attention_kernel, sm_scale=sm_scale, block_q=block_q, group=group,
         group_pad=group_pad, num_kv_heads=hkv, page_size=page_size,
         pages_per_block=pages_per_block, spare_rows=interpret)
     spare = block_q * group_pad if interpret else 0
-    out = pl.pallas_call(
+    out, lse = pl.pallas_call(
         kernel,
-        grid=(hkv, num_items),
-        out_shape=jax.ShapeDtypeStruct((t * hq + spare, d), q.dtype),
+        grid=(hkv, work.shape[0]),
+        out_shape=(jax.ShapeDtypeStruct((t * hq + spare, d), q.dtype),
+                   jax.ShapeDtypeStruct((t * hq + spare,), jnp.float32)),
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name=f"ragged_paged_attention_{block_q=}_{pages_per_block=}",
     )(work, page_indices, q.reshape(t * hq, d), k_pages.reshape(-1, d), v_pages.reshape(-1, d))
-    return out[:t * hq].reshape(t, hq, d)
+    return out[:t * hq].reshape(t, hq, d), lse[:t * hq].reshape(t, hq)
+
+
+def ragged_paged_attention_unjitted(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens,
+                                    num_seqs, *, block_q, **tunables):
+    """Builds the work list and calls the kernel; shapes as in the module docstring.
+    Returns (out [T, Hq, D], lse [T, Hq])."""
+    t = q.shape[0]
+    s, pps = page_indices.shape
+    num_items = min(t, (t + (s + 1) * (block_q - 1)) // block_q)
+    work = _work_list(kv_lens, cu_q_lens, num_seqs, t, block_q, num_items,
+                      pps * k_pages.shape[1])
+    return _launch(work, page_indices, q, k_pages, v_pages, block_q=block_q, **tunables)
+
+
+def _tile_work(tile_lens, rows: int, block_q: int):
+    """One work item per (tile, query block) of the tiles' gathered rows: [G * nb, 5]; the
+    query position is past every shared key, so all of them are visible."""
+    g = tile_lens.shape[0]
+    nb = -(-rows // block_q)
+    tile, blk = jnp.repeat(jnp.arange(g), nb), jnp.tile(jnp.arange(nb), g)
+    ends = tile_lens[tile]
+    work = [tile, tile * rows + blk * block_q, jnp.minimum(block_q, rows - blk * block_q), ends,
+            ends]
+    return jnp.stack(work, axis=1).astype(jnp.int32)
+
+
+def cascade_attention_unjitted(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
+                               cascade, num_multi_query_seqs, *, block_q, **tunables):
+    """Two launches: every sequence over its own pages (the decode group's rest pages), then
+    each tile's decode queries over its shared pages; the decode rows merged by log-sum-exp."""
+    t = q.shape[0]
+    sa = num_multi_query_seqs
+    sd = kv_lens.shape[0] - sa
+    width = max(page_indices.shape[1], cascade.rest_pages.shape[1])
+    widen = lambda a: jnp.pad(a, ((0, 0), (0, width - a.shape[1])))  # noqa: E731
+    tables = jnp.concatenate([widen(page_indices[:sa]), widen(cascade.rest_pages)])
+    lens = jnp.concatenate([kv_lens[:sa], cascade.rest_lens])
+    out, lse = ragged_paged_attention_unjitted(q, k_pages, v_pages, lens, tables, cu_q_lens,
+                                               num_seqs, block_q=block_q, **tunables)
+    last = jnp.clip(cu_q_lens[sa + 1:] - 1, 0, t - 1)  # [Sd] each decode sequence's row
+    g, rows = cascade.tile_seqs.shape
+    tile_tok = last[jnp.clip(cascade.tile_seqs, 0, sd - 1)].reshape(-1)  # [G * M]
+    out_t, lse_t = _launch(_tile_work(cascade.tile_lens, rows, block_q), cascade.tile_pages,
+                           q[tile_tok], k_pages, v_pages, block_q=block_q, **tunables)
+    dest = jnp.where(cascade.tile_seqs >= 0, cascade.tile_seqs, sd).reshape(-1)
+    out_s = jnp.zeros((sd,) + q.shape[1:], jnp.float32).at[dest].set(out_t, mode="drop")
+    lse_s = jnp.full((sd, q.shape[1]), _MASKED, jnp.float32).at[dest].set(lse_t, mode="drop")
+    merged = merge_parts(out_s, lse_s, out[last].astype(jnp.float32), lse[last])
+    rows_out = jnp.where(jnp.arange(sa, sa + sd) < num_seqs, last, t)  # padding seqs: dropped
+    return out.at[rows_out].set(merged.astype(out.dtype), mode="drop")
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "block_q", "pages_per_block",
-                                             "num_warps", "num_stages", "interpret"))
+                                             "num_warps", "num_stages", "interpret",
+                                             "num_multi_query_seqs"))
 def ragged_paged_attention_pallas(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens,
                                   num_seqs, *, sm_scale=None, block_q=None, pages_per_block=None,
-                                  num_warps=4, num_stages=2, interpret=False):
+                                  num_warps=4, num_stages=2, interpret=False, cascade=None,
+                                  num_multi_query_seqs=0):
     """Pallas ragged paged attention; same arguments and result as `ragged_paged_attention`.
 
     q [T, Hq, D]; k_pages, v_pages [P, page_size, Hkv, D]; kv_lens [S]; page_indices [S, pps];
     cu_q_lens [S+1]; num_seqs int32 scalar -> [T, Hq, D]. Tunables: `block_q` query tokens per
     program (default: 64 tile rows of (token, head)), `pages_per_block` pages per KV step
-    (default: 64 tokens), Triton `num_warps` and `num_stages`.
+    (default: 64 tokens), Triton `num_warps` and `num_stages`. With `cascade` (a
+    `cascade.CascadeMeta` for the sequences after the first `num_multi_query_seqs`), shared
+    prefixes are read once per tile by a second launch.
     """
     t, hq, d = q.shape
     hkv, page_size = k_pages.shape[2], k_pages.shape[1]
@@ -160,7 +218,10 @@ def ragged_paged_attention_pallas(q, k_pages, v_pages, kv_lens, page_indices, cu
     group_pad = pl.next_power_of_2(hq // hkv)
     block_q = max(1, 64 // group_pad) if block_q is None else block_q
     pages_per_block = max(1, 64 // page_size) if pages_per_block is None else pages_per_block
-    return ragged_paged_attention_unjitted(
-        q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale=sm_scale,
-        block_q=block_q, pages_per_block=pages_per_block, num_warps=num_warps,
-        num_stages=num_stages, interpret=interpret)
+    tunables = dict(sm_scale=sm_scale, block_q=block_q, pages_per_block=pages_per_block,
+                    num_warps=num_warps, num_stages=num_stages, interpret=interpret)
+    if cascade is not None:
+        return cascade_attention_unjitted(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens,
+                                          num_seqs, cascade, num_multi_query_seqs, **tunables)
+    return ragged_paged_attention_unjitted(q, k_pages, v_pages, kv_lens, page_indices,
+                                           cu_q_lens, num_seqs, **tunables)[0]

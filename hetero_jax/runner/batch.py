@@ -2,9 +2,12 @@
 
 In: the decoder's `ScheduledItem`s of one step (plain data, sorted embedding chunks, prefill
 chunks, decode tokens) and the `EngineConfig` bucket lists. Out: the variant key
-`(T, S, Sc, pages_per_seq)` and numpy arrays of exactly those shapes. Padding tokens write
-their K/V to the scratch page 0 and pool into the dummy slot; padding sequences have kv_len 0.
-`batch_spec` gives the same structure as shapes, for ahead-of-time lowering.
+`(T, S, Sc, pages_per_seq, shared_pages)` and numpy arrays of exactly those shapes. Padding
+tokens write their K/V to the scratch page 0 and pool into the dummy slot; padding sequences
+have kv_len 0. A decode-only step whose sequences share enough pages (prefix-cache hits) gets a
+cascade plan (`ops.cascade`): shared_pages > 0 is its tiles' page bucket and pages_per_seq
+then counts each sequence's pages after the shared ones. `batch_spec` gives the same
+structure as shapes, for ahead-of-time lowering.
 """
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ import numpy as np
 
 from hetero_jax.config import EngineConfig, pad_to_bucket
 from hetero_jax.models import llama
+from hetero_jax.ops.cascade import cascade_arrays, cascade_spec, plan_tiles
 from hetero_jax.runner import pooler
 from hetero_jax.runner.sampler import SamplingKnobs
 from hetero_jax.sched import DECODE, EMBED
@@ -32,7 +36,7 @@ class StepBatch:
     adapter_ids: jax.Array  # [T] int32: each token's LoRA adapter, 0 = base model
 
 
-def batch_spec(t: int, s: int, sc: int, p: int) -> StepBatch:
+def batch_spec(cfg: EngineConfig, t: int, s: int, sc: int, p: int, shared: int) -> StepBatch:
     """Shape/dtype structs of a StepBatch variant, for ahead-of-time lowering."""
     i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
     f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
@@ -40,7 +44,9 @@ def batch_spec(t: int, s: int, sc: int, p: int) -> StepBatch:
     return StepBatch(
         tokens=i32(t), positions=i32(t), slots=i32(t),
         meta=llama.AttnMeta(kv_lens=i32(s), page_indices=i32(s, p), cu_q_lens=i32(s + 1),
-                            num_seqs=i32()),
+                            num_seqs=i32(),
+                            cascade=cascade_spec(*cfg.cascade_tiles(s), shared, s, p) if shared
+                            else None),
         sample_rows=i32(s),
         knobs=SamplingKnobs(temperature=f32(s), top_k=i32(s), top_p=f32(s),
                             seed=jax.ShapeDtypeStruct((s,), jnp.uint32), step=i32(s)),
@@ -50,13 +56,28 @@ def batch_spec(t: int, s: int, sc: int, p: int) -> StepBatch:
         adapter_ids=i32(t))
 
 
+def _cascade_plan(items: list, cfg: EngineConfig, s: int) -> tuple | None:
+    """`ops.cascade.plan_tiles` for a decode-only step, or None (plain attention)."""
+    if not cfg.cascade_rows or any(it.kind != DECODE for it in items) or len(items) < 2:
+        return None
+    return plan_tiles([it.pages for it in items], [it.start + 1 for it in items], cfg.page_size,
+                      *cfg.cascade_tiles(s), cfg.cascade_min_pages)
+
+
 def variant_of(items: list, cfg: EngineConfig) -> tuple:
-    """The bucket variant (T, S, Sc, pages_per_seq) that holds `items`."""
+    """The bucket variant (T, S, Sc, pages_per_seq, shared_pages) that holds `items`, and the
+    cascade plan (None for plain attention)."""
     s = pad_to_bucket(len(items), cfg.seq_buckets)
+    t = pad_to_bucket(sum(it.num_tokens for it in items), cfg.token_buckets)
+    pages = [-(-(it.start + it.num_tokens) // cfg.page_size) for it in items]
+    plan = _cascade_plan(items, cfg, s)
+    if plan is not None:
+        rest = max(n - off for n, off in zip(pages, plan[1]))
+        shared = max(n for _, n in plan[0])
+        return (t, s, 0, pad_to_bucket(rest, cfg.page_buckets),
+                pad_to_bucket(shared, cfg.page_buckets)), plan
     sc = min(pad_to_bucket(sum(it.kind != DECODE for it in items), cfg.chunk_seq_buckets), s)
-    p = pad_to_bucket(max(-(-(it.start + it.num_tokens) // cfg.page_size) for it in items),
-                      cfg.page_buckets)
-    return pad_to_bucket(sum(it.num_tokens for it in items), cfg.token_buckets), s, sc, p
+    return (t, s, sc, pad_to_bucket(max(pages), cfg.page_buckets), 0), None
 
 
 def _pack_sampling(items: list, s: int) -> SamplingKnobs:
@@ -90,8 +111,9 @@ def _pack_pooling(items: list, rows: list, t: int, sc: int, dummy: int,
 
 
 def pack_batch(items: list, cfg: EngineConfig) -> tuple[tuple, StepBatch]:
-    """Host arrays for one step and its variant key (T, S, Sc, pages_per_seq)."""
-    key = t, s, sc, p = variant_of(items, cfg)
+    """Host arrays for one step and its variant key (T, S, Sc, pages_per_seq, shared_pages)."""
+    key, plan = variant_of(items, cfg)
+    t, s, sc, p, shared = key
     ps, n_tok = cfg.page_size, sum(it.num_tokens for it in items)
     tokens, positions, slots, adapter_ids = (np.zeros(t, np.int32) for _ in range(4))
     kv_lens, sample_rows = np.zeros(s, np.int32), np.zeros(s, np.int32)
@@ -103,17 +125,19 @@ def pack_batch(items: list, cfg: EngineConfig) -> tuple[tuple, StepBatch]:
         lo = int(cu[i])
         hi = lo + it.num_tokens
         pos = np.arange(it.start, it.start + it.num_tokens)
-        pages = np.asarray(it.pages[:p], np.int32)
+        pages = np.asarray(it.pages, np.int32)
         tokens[lo:hi], positions[lo:hi] = it.token_ids, pos
         slots[lo:hi] = pages[pos // ps] * ps + pos % ps
-        page_indices[i, :len(pages)] = pages
+        page_indices[i, :min(len(pages), p)] = pages[:p]
         kv_lens[i], cu[i + 1], sample_rows[i] = it.start + it.num_tokens, hi, hi - 1
         adapter_ids[lo:hi] = it.knobs.adapter_id if it.kind == EMBED else 0
         rows.append((lo, hi))
     batch = StepBatch(
         tokens=tokens, positions=positions, slots=slots,
         meta=llama.AttnMeta(kv_lens=kv_lens, page_indices=page_indices, cu_q_lens=cu,
-                            num_seqs=np.int32(len(items))),
+                            num_seqs=np.int32(len(items)), cascade=None if plan is None else
+                            cascade_arrays([it.pages for it in items], list(kv_lens[:len(items)]),
+                                           ps, plan, *cfg.cascade_tiles(s), shared, p, s)),
         sample_rows=sample_rows, knobs=_pack_sampling(items, s),
         pool=_pack_pooling(items, rows, t, sc, cfg.max_num_seqs, ps), adapter_ids=adapter_ids)
     return key, batch

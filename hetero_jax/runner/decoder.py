@@ -7,8 +7,8 @@ one pooled vector per embedding request whose last chunk ran. The step is
 so XLA updates it in place; `packed` (layout: `packed.PackedLayout`) is the only device->host
 copy. Token layout of a step (sorted by kind): embedding chunks, prefill chunks, decode
 tokens, padding (`batch.pack_batch`). Executables are compiled ahead of time per bucket
-variant `(T, S, Sc, pages_per_seq)` and kept in an `ExecutableCache`, so `compiles` is exact
-and `Engine.warmup()` can build every variant. The runner allocates nothing: pages and pooler
+variant `(T, S, Sc, pages_per_seq, shared_pages)` and kept in an `ExecutableCache`, so
+`compiles` is exact and `Engine.warmup()` can build every variant. The runner allocates nothing: pages and pooler
 slots come from the scheduler inside the items.
 """
 from __future__ import annotations
@@ -92,6 +92,7 @@ class DecoderRunner:
         self.impl = ("pallas" if backend == "gpu" else "xla") if impl == "auto" else impl
         self.interpret = self.impl == "pallas" and backend != "gpu"  # Pallas off-GPU: interpret
         self.executable = ExecutableCache(self._compile)
+        self.cascade_steps = 0
 
     @property
     def compiles(self) -> int:
@@ -102,22 +103,23 @@ class DecoderRunner:
         return self.executable.seconds
 
     def layout(self, key: tuple) -> PackedLayout:
-        _, s, sc, _ = key
+        _, s, sc, _, _ = key
         return PackedLayout(s, self.cfg.max_logprobs, sc, self.model_cfg.hidden_size)
 
     def _compile(self, key: tuple):
-        t, s, sc, p = key
+        t = key[0]
         fn = jax.jit(functools.partial(
             step, model_cfg=self.model_cfg, layout=self.layout(key),
             max_q_len=min(self.cfg.chunk_size, t), impl=self.impl, interpret=self.interpret,
             page_size=self.cfg.page_size, head=self.cfg.buffered_head), donate_argnums=(1,))
-        return fn.lower(self.params, self.state, batch_spec(t, s, sc, p)).compile()
+        return fn.lower(self.params, self.state, batch_spec(self.cfg, *key)).compile()
 
     def execute(self, items: list) -> RunnerOutput:
         """Run one step of `items` (sorted by kind, at least one)."""
         t0 = time.perf_counter()
         key, batch = pack_batch(items, self.cfg)
         self.state, packed = self.executable(key)(self.params, self.state, batch)
+        self.cascade_steps += key[4] > 0
         layout = self.layout(key)
         rows, vectors = layout.unpack(np.asarray(packed))
         result = RunnerOutput()

@@ -263,6 +263,7 @@ class Engine(BatchAPI):
         pool, ps = self.scheduler.pages, self.config.page_size
         s.cache_queries, s.cache_evictions = pool.queries, pool.evictions
         s.cache_query_tokens, s.cache_hit_tokens = pool.query_pages * ps, pool.hit_pages * ps
+        s.cascade_steps = self.runner.cascade_steps
         self._count_compiles()
 
     def _count_compiles(self) -> None:

@@ -1,0 +1,173 @@
+"""Shared-prefix (cascade) attention for decode tokens: the shared K/V read once per tile.
+
+When decode sequences share leading KV pages (prefix-cache hits hand them the same physical
+pages), reading those pages once per sequence is most of a decode step's memory traffic. Here
+the decode sequences are cut into tiles of up to M sequences with a common page prefix; each
+tile's M queries attend to its shared pages in one matrix product per KV head (M x G query
+rows against the shared keys, read once for the tile), every sequence attends to its own
+remaining pages separately, and the two softmax parts are merged by their log-sum-exp. The
+result equals plain attention over the whole page table up to float reduction order.
+
+Host side: `plan_tiles(page_tables, kv_lens, page_size, ...)` (numpy, no device) picks the
+tiles from the page tables, or returns None when too little would be saved. Device side:
+`CascadeMeta` (the plan as arrays of static shapes) and `attend_decode_cascade`, the XLA
+version used by `attention.ragged_paged_attention(..., cascade=meta)`.
+
+Shapes: G tiles of M rows; Ps shared pages per tile; Sd decode sequences with Pr remaining
+pages each. Empty tile rows hold -1; an unused tile has `tile_lens == 0`.
+"""
+from __future__ import annotations
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+_MASKED = -1e30
+
+
+@flax.struct.dataclass
+class CascadeMeta:
+    tile_seqs: jax.Array  # [G, M] int32: decode-group index of each tile row, -1 empty
+    tile_pages: jax.Array  # [G, Ps] int32: each tile's shared pages
+    tile_lens: jax.Array  # [G] int32: shared tokens (whole pages; 0 = unused tile)
+    rest_pages: jax.Array  # [Sd, Pr] int32: each decode sequence's pages after its tile's
+    rest_lens: jax.Array  # [Sd] int32: tokens on those pages (its kv_len minus the shared)
+
+
+def cascade_spec(num_tiles: int, rows: int, shared_pages: int, num_seqs: int,
+                 rest_pages: int) -> CascadeMeta:
+    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
+    return CascadeMeta(i32(num_tiles, rows), i32(num_tiles, shared_pages), i32(num_tiles),
+                       i32(num_seqs, rest_pages), i32(num_seqs))
+
+
+def _common_pages(tables: list) -> int:
+    """Length of the longest common prefix of page lists."""
+    n = min(len(t) for t in tables)
+    first = tables[0]
+    for i in range(n):
+        if any(t[i] != first[i] for t in tables[1:]):
+            return i
+    return n
+
+
+def plan_tiles(page_tables: list, kv_lens: list, page_size: int, num_tiles: int, rows: int,
+               min_saved_pages: int) -> tuple | None:
+    """Tiles for decode sequences with page tables `page_tables` ([Sd] lists) and `kv_lens`.
+
+    Sequences are sorted by their page tables, so those with long common prefixes sit side by
+    side, then cut into runs of at most `rows` that share their first page; a run's shared
+    pages are its common prefix, capped so that each sequence keeps its last token's page.
+    The `num_tiles` runs that save most page reads ((members - 1) x shared pages) are kept.
+    Returns ([(members, shared_pages)], rest_offsets [Sd]) or None when the kept tiles save
+    fewer than `min_saved_pages` page reads.
+    """
+    full = [[int(p) for p in t[:(n - 1) // page_size]] for t, n in zip(page_tables, kv_lens)]
+    order = sorted((i for i in range(len(full)) if full[i]), key=lambda i: full[i])
+    runs, i = [], 0
+    while i < len(order):
+        run = [order[i]]
+        while (len(run) < rows and i + len(run) < len(order)
+               and full[order[i + len(run)]][0] == full[run[0]][0]):
+            run.append(order[i + len(run)])
+        i += len(run)
+        if len(run) > 1:
+            runs.append((run, _common_pages([full[j] for j in run])))
+    runs.sort(key=lambda r: (len(r[0]) - 1) * r[1], reverse=True)
+    tiles = runs[:num_tiles]
+    if sum((len(m) - 1) * n for m, n in tiles) < min_saved_pages:
+        return None
+    offsets = [0] * len(full)
+    for members, n in tiles:
+        for j in members:
+            offsets[j] = n
+    return tiles, offsets
+
+
+def cascade_arrays(page_tables: list, kv_lens: list, page_size: int, plan: tuple,
+                   num_tiles: int, rows: int, shared_pages: int, rest_pages: int,
+                   num_seqs: int) -> CascadeMeta:
+    """The plan of `plan_tiles` as numpy arrays of the given static shapes (padding: decode
+    sequences past len(page_tables) have no pages)."""
+    tiles, offsets = plan
+    tile_seqs = np.full((num_tiles, rows), -1, np.int32)
+    tile_pages = np.zeros((num_tiles, shared_pages), np.int32)
+    tile_lens = np.zeros(num_tiles, np.int32)
+    for g, (members, n) in enumerate(tiles):
+        tile_seqs[g, :len(members)] = members
+        tile_pages[g, :n] = page_tables[members[0]][:n]
+        tile_lens[g] = n * page_size
+    rest = np.zeros((num_seqs, rest_pages), np.int32)
+    rest_lens = np.zeros(num_seqs, np.int32)
+    for j, (table, n) in enumerate(zip(page_tables, kv_lens)):
+        own = table[offsets[j]:-(-n // page_size)]
+        rest[j, :len(own)] = own
+        rest_lens[j] = n - offsets[j] * page_size
+    return CascadeMeta(tile_seqs, tile_pages, tile_lens, rest, rest_lens)
+
+
+def _gather(pages, table):
+    """[P, ps, Hkv, D], [N, n] -> [N, n * ps, Hkv, D]."""
+    return pages[table].reshape(table.shape[0], -1, *pages.shape[2:])
+
+
+def _softmax_parts(scores, visible, v, contract: str):
+    """Masked softmax of `scores` over their key axis, applied to `v`: (out, lse), fp32."""
+    s = jnp.where(visible, scores, _MASKED)
+    m = s.max(axis=-1, keepdims=True)
+    p = jnp.exp(s - m)
+    l = p.sum(axis=-1, keepdims=True)
+    out = jnp.einsum(contract, (p / l).astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return out, (m + jnp.log(l))[..., 0]
+
+
+def _shared_part(q, k_pages, v_pages, meta: CascadeMeta, sm_scale):
+    """Each tile's queries against its shared keys: q [Sd, Hq, D] -> ([Sd, Hq, D], lse [Sd, Hq]);
+    sequences in no tile get lse = -1e30 (weight 0 in the merge)."""
+    sd, hq, d = q.shape
+    g_tiles, rows = meta.tile_seqs.shape
+    hkv = k_pages.shape[2]
+    grp = hq // hkv
+    qt = q[jnp.clip(meta.tile_seqs, 0, sd - 1)]  # [G, M, Hq, D]
+    qt = qt.reshape(g_tiles, rows, hkv, grp, d).transpose(0, 2, 1, 3, 4)
+    qt = qt.reshape(g_tiles, hkv, rows * grp, d)  # row = (tile row, head in group)
+    k = _gather(k_pages, meta.tile_pages).transpose(0, 2, 1, 3)  # [G, Hkv, Ls, D]
+    v = _gather(v_pages, meta.tile_pages).transpose(0, 2, 1, 3)
+    scores = jnp.einsum("ghmd,ghkd->ghmk", qt, k, preferred_element_type=jnp.float32)
+    visible = (jnp.arange(k.shape[2]) < meta.tile_lens[:, None, None, None])
+    out, lse = _softmax_parts(scores * sm_scale, visible, v, "ghmk,ghkd->ghmd")
+    out = out.reshape(g_tiles, hkv, rows, grp, d).transpose(0, 2, 1, 3, 4)
+    lse = lse.reshape(g_tiles, hkv, rows, grp).transpose(0, 2, 1, 3)
+    dest = jnp.where(meta.tile_seqs >= 0, meta.tile_seqs, sd).reshape(-1)  # sd: dropped
+    out_s = jnp.zeros((sd, hq, d), jnp.float32).at[dest].set(
+        out.reshape(g_tiles * rows, hq, d), mode="drop")
+    lse_s = jnp.full((sd, hq), _MASKED, jnp.float32).at[dest].set(
+        lse.reshape(g_tiles * rows, hq), mode="drop")
+    return out_s, lse_s
+
+
+def _rest_part(q, k_pages, v_pages, meta: CascadeMeta, sm_scale):
+    """Each sequence's query against its own remaining keys -> ([Sd, Hq, D], lse [Sd, Hq])."""
+    sd, hq, d = q.shape
+    hkv = k_pages.shape[2]
+    k, v = _gather(k_pages, meta.rest_pages), _gather(v_pages, meta.rest_pages)  # [Sd, L, Hkv, D]
+    qg = q.reshape(sd, hkv, hq // hkv, d)
+    scores = jnp.einsum("shgd,slhd->shgl", qg, k, preferred_element_type=jnp.float32)
+    visible = (jnp.arange(k.shape[1]) < meta.rest_lens[:, None])[:, None, None, :]
+    out, lse = _softmax_parts(scores * sm_scale, visible, v, "shgl,slhd->shgd")
+    return out.reshape(sd, hq, d), lse.reshape(sd, hq)
+
+
+def merge_parts(out_a, lse_a, out_b, lse_b):
+    """Two softmax parts over disjoint keys -> the softmax over their union: [N, H, D]."""
+    m = jnp.maximum(lse_a, lse_b)
+    wa, wb = jnp.exp(lse_a - m), jnp.exp(lse_b - m)
+    return (wa[..., None] * out_a + wb[..., None] * out_b) / (wa + wb)[..., None]
+
+
+def attend_decode_cascade(q, k_pages, v_pages, meta: CascadeMeta, sm_scale):
+    """One query per decode sequence, q [Sd, Hq, D], over its tile's shared pages and its own
+    rest -> [Sd, Hq, D] fp32."""
+    shared = _shared_part(q, k_pages, v_pages, meta, sm_scale)
+    return merge_parts(*shared, *_rest_part(q, k_pages, v_pages, meta, sm_scale))

@@ -1,0 +1,83 @@
+"""Cascade (shared-prefix) attention equals the plain path: XLA and Pallas interpret mode,
+ragged groups, chunks beside the decode group; and the host planner's tiles by hand."""
+import numpy as np
+import pytest
+
+from hetero_jax.ops import ragged_paged_attention, ragged_paged_attention_reference
+from hetero_jax.ops.cascade import cascade_arrays, plan_tiles
+from tests.batches import shared_prefix_batch
+from tests.script_loader import load_script
+
+PS = 8
+CASES = {  # name: (groups [(shared pages, [kv_len of each member])], chunks [(q_len, cached)])
+    "one group": ([(4, [33, 40, 57, 70])], []),
+    "ragged groups": ([(3, [30, 25, 40]), (1, [9, 12]), (5, [41, 44, 60, 45, 50])], []),
+    "with chunks": ([(2, [17, 30, 19]), (6, [49, 80])], [(5, 3), (12, 0)]),
+    "unshared too": ([(0, [5, 20, 33]), (4, [40, 41, 42])], [(7, 9)]),
+}
+
+
+def plan_case(rng, groups, chunks, hq, hkv, d, num_tiles=3, rows=2):
+    b, tables, lens = shared_prefix_batch(rng, groups, hq, hkv, d, PS, chunks)
+    plan = plan_tiles(tables, lens, PS, num_tiles, rows, min_saved_pages=1)
+    shared = max(n for _, n in plan[0]) + 1  # one spare page: padding must not matter
+    rest = max(-(-n // PS) - o for n, o in zip(lens, plan[1])) + 1
+    meta = cascade_arrays(tables, lens, PS, plan, num_tiles, rows, shared, rest,
+                          b["kv_lens"].shape[0] - len(chunks))
+    hints = dict(num_multi_query_seqs=len(chunks))
+    return b, meta, hints
+
+
+@pytest.mark.parametrize("name,hq,hkv,d", [("one group", 4, 4, 16), ("ragged groups", 8, 2, 32),
+                                           ("with chunks", 12, 4, 64), ("unshared too", 8, 1, 32)])
+def test_xla_cascade_equals_plain_and_reference(name, hq, hkv, d):
+    rng = np.random.default_rng(hq + d + len(name))
+    b, meta, hints = plan_case(rng, *CASES[name], hq, hkv, d)
+    want = ragged_paged_attention_reference(**b)
+    plain = np.asarray(ragged_paged_attention(**b, max_q_len=16, **hints))
+    got = np.asarray(ragged_paged_attention(**b, max_q_len=16, **hints, cascade=meta))
+    np.testing.assert_allclose(got, plain, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    assert np.all(got[int(b["cu_q_lens"][-1]):] == 0), "padding rows must come back as zeros"
+
+
+@pytest.mark.parametrize("name", ["ragged groups", "with chunks"])
+def test_pallas_cascade_equals_plain(name):
+    rng = np.random.default_rng(len(name))
+    b, meta, hints = plan_case(rng, *CASES[name], 8, 2, 32)
+    plain = np.asarray(ragged_paged_attention(**b, impl="pallas", interpret=True))
+    got = np.asarray(ragged_paged_attention(**b, impl="pallas", interpret=True, **hints,
+                                            cascade=meta))
+    np.testing.assert_allclose(got, plain, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got, ragged_paged_attention_reference(**b), rtol=1e-5, atol=1e-5)
+    assert np.all(got[int(b["cu_q_lens"][-1]):] == 0)
+
+
+def test_plan_tiles_by_hand():
+    """Sequences 0, 2, 3 share pages [9, 4]; 1 and 4 share [7]; 5 shares nothing."""
+    tables = [[9, 4, 11], [7, 12], [9, 4, 13, 14], [9, 4, 15], [7, 16], [8, 17]]
+    lens = [3 * PS, 2 * PS, 4 * PS, 3 * PS - 1, 2 * PS, 2 * PS]
+    tiles, offsets = plan_tiles(tables, lens, PS, num_tiles=4, rows=8, min_saved_pages=1)
+    assert tiles == [([0, 3, 2], 2), ([1, 4], 1)]
+    assert offsets == [2, 1, 2, 2, 1, 0]
+    # rows=2 cuts the first group into [0, 3] and [2] (alone: no tile); num_tiles=1 keeps the
+    # tile that saves most reads
+    assert plan_tiles(tables, lens, PS, 1, 2, 1)[0] == [([0, 3], 2)]
+    assert plan_tiles(tables, lens, PS, 4, 8, min_saved_pages=6) is None  # saves 2*2 + 1 = 5
+
+
+def test_a_sequence_keeps_its_last_page():
+    """A decode token's own page is never shared, even when the tables agree on it."""
+    tiles, offsets = plan_tiles([[3, 5], [3, 5]], [PS + 1, PS + 2], PS, 1, 4, 1)
+    assert tiles == [([0, 1], 1)] and offsets == [1, 1]
+    assert plan_tiles([[3], [3]], [PS, PS - 2], PS, 1, 4, 1) is None
+
+
+def test_bench_cascade_measures_both_paths():
+    rows = load_script("bench_cascade").main(["--seqs", "4", "--prefix", "32", "--suffix", "3",
+                                              "--rows", "2,4,8", "--heads", "4,2,16",
+                                              "--iters", "1", "--repeats", "1"])
+    assert [r["variant"] for r in rows] == ["plain", "cascade, 2 rows x 2 tiles",
+                                            "cascade, 4 rows x 1 tiles"]
+    assert all(r["max_diff"] < 1e-5 for r in rows)
+    assert rows[1]["kv_mb"] < rows[0]["kv_mb"], "tiles read the shared pages once"
