@@ -1,5 +1,6 @@
 """Host-side scheduling (pure Python, imports no jax): requests, allocators, policies, the step."""
 from hetero_jax.sched.allocators import SCRATCH_PAGE, PagePool, SlotAllocator
+from hetero_jax.sched.batching import BATCHING, FeatherConfig
 from hetero_jax.sched.output import (DECODE, ITEM_KINDS, KIND_ORDER, PREFILL, RunnerOutput,
                                      SampledToken, ScheduledItem, SchedulerOutput)
 from hetero_jax.sched.policies import POLICIES, Credits, Plan, Policy, make_policy
@@ -11,4 +12,4 @@ __all__ = ["SCRATCH_PAGE", "PagePool", "SlotAllocator", "Request", "Status", "EM
            "GENERATE", "REQUEST_KINDS", "GenKnobs", "EmbedKnobs", "DECODE", "PREFILL",
            "ITEM_KINDS", "KIND_ORDER", "RunnerOutput", "SampledToken", "ScheduledItem",
            "Scheduler", "SchedulerConfig", "SchedulerOutput", "POLICIES", "Credits", "Plan",
-           "Policy", "make_policy"]
+           "Policy", "make_policy", "BATCHING", "FeatherConfig"]

@@ -12,6 +12,9 @@ Every policy shares one step structure under a per-step token budget:
    (per type: running requests with uncomputed input in admission order, then the waiting
    queue in arrival order); the policy (policies.py) picks the type of each next chunk.
 At most `max_chunk_seqs` multi-token items (embedding and prefill chunks) run per step.
+The batching policy (`batching.py`, `cfg.batching`) orders the waiting generation requests
+of step 2 and picks which running decodes of step 1 run (fcfs: arrival order, all of them;
+lpm and feather: by shared prefix).
 
 The scheduler owns every allocation. Pages: an embedding request gets the pages of its whole
 input (and a pooler slot) when it is admitted, so it never waits for pages once running; it
@@ -33,6 +36,7 @@ import dataclasses
 import itertools
 
 from hetero_jax.sched.allocators import PagePool, SlotAllocator
+from hetero_jax.sched.batching import FeatherConfig, make_batching
 from hetero_jax.sched.output import (DECODE, EMBED, KIND_ORDER, PREFILL, RunnerOutput,
                                      SampledToken, ScheduledItem, SchedulerOutput)
 from hetero_jax.sched.policies import Plan, make_policy
@@ -54,6 +58,8 @@ class SchedulerConfig:
     policy: str = "fcfs"  # ibs | fcfs | homogeneous
     encoder_max_seqs: int = 0  # > 0: embeddings run whole on a separate encoder, this many a step
     prefix_caching: bool = False  # look up and register full pages (prefix.py)
+    batching: str = "fcfs"  # fcfs | lpm | feather | feather-bandit: admissions, decodes
+    feather: FeatherConfig = FeatherConfig()  # the knobs of feather and feather-bandit
 
 
 @dataclasses.dataclass
@@ -107,6 +113,7 @@ class Scheduler:
     def __init__(self, cfg: SchedulerConfig):
         self.cfg = cfg
         self.policy = make_policy(cfg.policy)
+        self.batching = make_batching(cfg)  # batching.py: generation admissions and decodes
         self.pages = PagePool(cfg.num_pages, cfg.prefix_caching)
         self.prefix = PrefixCache(self.pages, cfg.page_size)
         self.slots = SlotAllocator(cfg.max_num_seqs)
@@ -144,6 +151,8 @@ class Scheduler:
         self._arrival[rid] = next(self._counter)
         self.waiting[request.kind].append(request)
         self.pending[request.kind] += request.num_pending
+        if request.kind == GENERATE:
+            self.batching.add(request)
 
     def _decoder_problem(self, request: Request) -> str | None:
         cfg, total = self.cfg, request.num_tokens
@@ -178,6 +187,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         cfg = self.cfg
         step = _Step(cfg.token_budget, cfg.max_chunk_seqs, cfg.encoder_max_seqs)
+        self.batching.begin_step()
         decoding = any(r.is_decoding for r in self.running)
         for plan in self.policy.plans(dict(self.pending), decoding):
             self._run_plan(plan, step)
@@ -220,6 +230,7 @@ class Scheduler:
                 self._finish(req, reason)
                 req.finish_time = now
                 finished.append(req)
+        self.batching.step_done(out, runner_out.step_time)
         return finished
 
     # -- one step ----------------------------------------------------------------------------
@@ -248,11 +259,11 @@ class Scheduler:
                 heads[kind] = next(streams[kind], None)
 
     def _schedule_decodes(self, step: _Step) -> None:
-        for req in list(self.running):
+        decoding = [r for r in self.running if r.is_decoding and r.request_id not in step.entries]
+        for req in self.batching.decodes(decoding):  # batching.py: which of them run
             if step.budget <= 0:
                 return
-            if (req.status is Status.RUNNING and req.is_decoding
-                    and req.request_id not in step.entries and self._reserve(req, 1, step)):
+            if req.status is Status.RUNNING and self._reserve(req, 1, step):
                 step.add(_Entry(req, DECODE, req.num_computed_tokens, 1))
 
     def _candidates(self, kind: str, step: _Step):
@@ -263,7 +274,8 @@ class Scheduler:
             if (req.kind == kind and req.status is Status.RUNNING and not req.is_decoding
                     and req.request_id not in step.entries):
                 yield (0, self._admission[req.request_id]), req
-        for req in list(self.waiting[kind]):
+        queue = self.waiting[kind]
+        for req in self.batching.order(queue) if kind == GENERATE else list(queue):
             if step.preempted:  # no admissions once this step has preempted
                 return
             yield (1, self._arrival[req.request_id]), req
@@ -327,6 +339,8 @@ class Scheduler:
         req.status = Status.RUNNING
         if holds_a_sequence:
             self.running.append(req)
+        if req.kind == GENERATE:
+            self.batching.admitted(req)
         self._admission[req.request_id] = next(self._counter)
 
     @staticmethod
@@ -378,6 +392,7 @@ class Scheduler:
         self.running.remove(req)
         self.pages.free(req.pages)
         self.prefix.released(req)
+        self.batching.preempted(req)
         req.pages, req.num_computed_tokens = [], 0
         req.status = Status.WAITING
         req.num_preemptions += 1
@@ -398,6 +413,8 @@ class Scheduler:
 
     def _finish(self, req: Request, reason: str) -> None:
         """Free what the request holds and forget it."""
+        if req.kind == GENERATE:
+            self.batching.removed(req)
         if req in self.running:
             self.running.remove(req)
         self.pages.free(req.pages)

@@ -1,0 +1,105 @@
+"""A sliding-window UCB bandit over batch-forming arms (Feather's `feather-bandit`).
+
+In: `choose()` at the start of each round returns an arm index; `reward(arm, value)` at its
+end reports what the round measured (raw: decode tokens per second). Out: the arm to play.
+Plain Python; imports no jax.
+
+Only the last `window` rounds count (SW-UCB, Garivier and Moulines 2011), so the bandit
+follows a workload that changes. Rewards are normalised by the pooled standard deviation of
+the rewards within each arm in the window (the noise of one round's measurement, floored at
+1% of the best mean), which makes it the UCB of Gaussian rewards of unit variance: an
+exploration constant of about 1 is right whatever the units (tokens/s on a CPU or a GPU). An
+arm not played within the window is played first (in arm order), so each arm is tried at
+least once per window; otherwise the arm with the largest `mean / sd + c * sqrt(2 ln(min(t,
+window)) / n)` (ties: the earlier arm).
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+
+
+@dataclasses.dataclass(frozen=True)
+class Arm:
+    """A batch-forming arm: admit while the prefix loss stays within `loss_limit` chunks
+    (None: any loss, no homogeneity asked), at most `cap` generation requests running
+    (None: up to max_num_seqs)."""
+
+    loss_limit: int | None
+    cap: int | None
+
+    def __str__(self) -> str:
+        return (f"loss<={'any' if self.loss_limit is None else self.loss_limit},"
+                f"cap={'max' if self.cap is None else self.cap}")
+
+
+DEFAULT_ARMS = tuple(Arm(loss, cap) for loss in (0, 2, None) for cap in (8, 16, None))
+
+
+def make_arms(pairs) -> tuple:
+    """(loss_limit, cap) pairs (or `Arm`s) -> a tuple of `Arm`s; ValueError naming a bad one."""
+    if isinstance(pairs, (str, bytes)):
+        raise ValueError(f"bandit arms {pairs!r} must be (loss_limit, cap) pairs, not a string")
+    arms = []
+    for pair in pairs:
+        try:
+            loss, cap = (pair.loss_limit, pair.cap) if isinstance(pair, Arm) else pair
+        except (TypeError, ValueError):
+            raise ValueError(f"bad bandit arm {pair!r}: expected (loss_limit, cap)") from None
+        for name, value, lo in (("loss_limit", loss, 0), ("cap", cap, 1)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or value < lo):
+                raise ValueError(f"bad bandit arm {pair!r}: {name}={value!r} must be None or "
+                                 f"an integer >= {lo}")
+        arms.append(Arm(loss, cap))
+    if not arms:
+        raise ValueError("the bandit has no arms: give at least one (loss_limit, cap) pair")
+    if len(set(arms)) != len(arms):
+        raise ValueError(f"bandit arms {pairs!r} repeat an arm")
+    return tuple(arms)
+
+
+class SlidingWindowUCB:
+    def __init__(self, num_arms: int, window: int = 64, c: float = 1.0):
+        if num_arms < 1:
+            raise ValueError(f"num_arms={num_arms}: the bandit has no arms")
+        if window < num_arms:
+            raise ValueError(f"window={window} must hold every one of the {num_arms} arms")
+        self.num_arms, self.window, self.c = num_arms, window, c
+        self.history: collections.deque = collections.deque(maxlen=window)  # (arm, raw)
+        self.t = 0
+        self.last: int | None = None
+
+    def choose(self) -> int:
+        counts, means, sd = self.stats()
+        unplayed = [a for a in range(self.num_arms) if counts[a] == 0]
+        if unplayed:
+            arm = unplayed[0]
+        else:
+            log_t = math.log(min(self.t, self.window))
+            arm = max(range(self.num_arms), key=lambda a: (
+                means[a] / sd + self.c * math.sqrt(2 * log_t / counts[a]), -a))
+        self.last = arm
+        return arm
+
+    def reward(self, arm: int, value: float) -> None:
+        assert 0 <= arm < self.num_arms, f"{arm=} outside [0, {self.num_arms})"
+        assert value >= 0 and math.isfinite(value), f"{value=} must be finite and >= 0"
+        self.history.append((arm, value))
+        self.t += 1
+
+    def stats(self) -> tuple:
+        """(plays per arm, mean raw reward per arm (0 where unplayed), the pooled within-arm
+        standard deviation) over the window."""
+        counts, sums, squares = [0] * self.num_arms, [0.0] * self.num_arms, [0.0] * self.num_arms
+        for arm, value in self.history:
+            counts[arm] += 1
+            sums[arm] += value
+            squares[arm] += value * value
+        means = [s / n if n else 0.0 for s, n in zip(sums, counts)]
+        top = max(means, default=0.0) or 1.0
+        spread = sum(q - n * m * m for q, n, m in zip(squares, counts, means))
+        dof = sum(counts) - sum(n > 0 for n in counts)
+        sd = math.sqrt(max(spread, 0.0) / dof) if dof > 0 else top
+        return counts, means, max(sd, 0.01 * top)

@@ -1,0 +1,276 @@
+"""Batch-forming policies: which waiting generation request is admitted next, which running
+decodes run (`SchedulerConfig(batching=...)`, independent of `policy=`, which still picks
+embedding vs generation chunks).
+
+In: the `Scheduler` tells a policy every change of its generation requests on the decoder
+(`add`, `admitted`, `preempted`, `removed`) and every step (`begin_step`, `step_done` with the
+step's output and measured time); it asks `order(queue)` for the waiting generation requests
+in the order to try (lazily: each admission may re-rank the rest) and `decodes(reqs)` for the
+running decodes of this step. Out: those orders and `stats()` (the arm and its mean reward).
+Plain Python; imports no jax.
+
+- `fcfs`: arrival order, every decode runs (the engine as it was).
+- `lpm`: SGLang's longest prefix match: waiting requests by the length of their prompt's
+  longest prefix held by a running request (a `RadixTree` over token ids), longest first,
+  ties by arrival, matched once per step; arrival order past `LPM_FALLBACK` waiting.
+- `feather`: the Chunked Hash Tree's ranking (`cht.py`): the request with the fewest chunks
+  missing from the running batch first. One is admitted while the prefix loss (the running
+  batch's common chunks lost by admitting it) stays within `loss_limit`, or the batch is under
+  its floor; the floor starts at `floor` and grows to the batch size with each admission that
+  shares with the batch and loses nothing; at most `cap` generation requests run. When no
+  waiting request shares a chunk with the batch, arrival order. Decodes: when the running
+  batch has no common prefix, the largest group of decodes sharing a first chunk runs, topped
+  up to the floor in admission order; the others wait with their pages. Aging: a request that
+  waited `aging_steps` steps for admission, or a decode that has not run for that long, is
+  taken first whatever the limits, so nothing starves.
+- `feather-bandit`: `feather` whose (loss_limit, cap) arm a sliding-window UCB bandit
+  (`bandit.py`) picks per round of `round_steps` steps, rewarded by the round's decode tokens
+  per second (measured step times; tokens per step when a runner reports none).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from hetero_jax.sched.bandit import DEFAULT_ARMS, Arm, SlidingWindowUCB, make_arms
+from hetero_jax.sched.cht import ChunkedHashTree
+from hetero_jax.sched.output import DECODE
+from hetero_jax.sched.radix import LPM_FALLBACK, RadixTree
+
+BATCHING = ("fcfs", "lpm", "feather", "feather-bandit")
+
+
+@dataclasses.dataclass(frozen=True)
+class FeatherConfig:
+    chunk_pages: int = 4  # KV pages per chunk of the hash tree (64 tokens at 16 per page)
+    loss_limit: int | None = 2  # chunks of the common prefix an admission may lose (None: any)
+    cap: int | None = None  # generation requests running at most (None: max_num_seqs)
+    floor: int = 4  # batch size below which any request is admitted
+    aging_steps: int = 64  # waiting this many steps forces a request (or a decode) in
+    arms: tuple = DEFAULT_ARMS  # feather-bandit: (loss_limit, cap) pairs
+    window: int = 64  # feather-bandit: rounds the bandit remembers
+    round_steps: int = 8  # feather-bandit: steps per round (one arm each)
+    exploration: float = 1.0  # feather-bandit: the UCB constant c
+
+    def __post_init__(self):
+        for name, lo in (("chunk_pages", 1), ("floor", 1), ("aging_steps", 1), ("window", 1),
+                         ("round_steps", 1)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+                raise ValueError(f"{name}={value!r} must be an integer >= {lo}")
+        (arm,) = make_arms([(self.loss_limit, self.cap)])  # raises naming a bad value
+        object.__setattr__(self, "arms", make_arms(self.arms))
+        if len(self.arms) > self.window:
+            raise ValueError(f"window={self.window} must hold every one of the "
+                             f"{len(self.arms)} bandit arms")
+        if not (isinstance(self.exploration, (int, float)) and 0 <= self.exploration < 1e9):
+            raise ValueError(f"exploration={self.exploration!r} must be a number >= 0")
+
+
+class FcfsBatching:
+    """Arrival order; every running decode runs."""
+
+    name = "fcfs"
+
+    def __init__(self, cfg=None):
+        self.step = 0
+
+    def add(self, req) -> None:
+        """A new waiting generation request."""
+
+    def admitted(self, req) -> None:
+        """It joined the running batch."""
+
+    def preempted(self, req) -> None:
+        """It went back to the waiting queue (pages freed)."""
+
+    def removed(self, req) -> None:
+        """It finished or was aborted, waiting or running."""
+
+    def begin_step(self) -> None:
+        self.step += 1
+
+    def order(self, queue):
+        return iter(list(queue))
+
+    def decodes(self, reqs: list) -> list:
+        return reqs
+
+    def step_done(self, out, step_time: float) -> None:
+        """The step `out` ran in `step_time` seconds (0 when the runner did not time it)."""
+
+    def stats(self) -> dict:
+        return {"batching": self.name}
+
+
+class LpmBatching(FcfsBatching):
+    name = "lpm"
+
+    def __init__(self, cfg=None):
+        super().__init__(cfg)
+        self.tree = RadixTree()
+        self.arrival: dict = {}  # request_id -> arrival number
+        self.running: set = set()  # request ids whose prompts the tree holds
+        self._count = 0
+
+    def add(self, req) -> None:
+        self.arrival[req.request_id] = self._count
+        self._count += 1
+
+    def admitted(self, req) -> None:
+        self.tree.insert(req.prompt_token_ids)
+        self.running.add(req.request_id)
+
+    def preempted(self, req) -> None:
+        self.tree.remove(req.prompt_token_ids)
+        self.running.discard(req.request_id)
+
+    def removed(self, req) -> None:
+        if req.request_id in self.running:
+            self.preempted(req)
+        self.arrival.pop(req.request_id, None)
+
+    def order(self, queue):
+        if len(queue) > LPM_FALLBACK:
+            return iter(list(queue))
+        match = {r.request_id: self.tree.match(r.prompt_token_ids) for r in queue}
+        return iter(sorted(queue, key=lambda r: (-match[r.request_id],
+                                                 self.arrival[r.request_id])))
+
+
+class FeatherBatching(FcfsBatching):
+    name = "feather"
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        f = cfg.feather
+        self.cfg, self.max_seqs = f, cfg.max_num_seqs
+        self.cht = ChunkedHashTree(cfg.page_size, f.chunk_pages)
+        self.arm = Arm(f.loss_limit, f.cap)
+        self.floor = f.floor
+        self.since: dict = {}  # waiting request_id -> step it (re)entered the queue
+        self.last_run: dict = {}  # running request_id -> step its last decode was scheduled
+
+    @property
+    def cap(self) -> int:
+        return self.arm.cap or self.max_seqs
+
+    def add(self, req) -> None:
+        self.cht.add(req)
+        self.since[req.request_id] = self.step
+
+    def admitted(self, req) -> None:
+        self.cht.admit(req)
+        self.since.pop(req.request_id, None)
+        self.last_run[req.request_id] = self.step
+
+    def preempted(self, req) -> None:
+        self.cht.preempt(req)
+        self.last_run.pop(req.request_id, None)
+        self.since[req.request_id] = self.step
+        self._maybe_reset_floor()
+
+    def removed(self, req) -> None:
+        self.cht.remove(req)
+        self.since.pop(req.request_id, None)
+        self.last_run.pop(req.request_id, None)
+        self._maybe_reset_floor()
+
+    def _maybe_reset_floor(self) -> None:
+        if not self.cht.running:
+            self.floor = self.cfg.floor
+
+    def _aged(self, rid, table: dict) -> bool:
+        return self.step - table[rid] >= self.cfg.aging_steps
+
+    def order(self, queue):
+        aged = [r for r in queue if self._aged(r.request_id, self.since)]
+        yield from aged  # whatever the cap and the loss
+        best = self.cht.find_best()
+        if best is None:
+            return
+        skip = {r.request_id for r in aged}
+        shared = best.held > 0
+        for req in (self.cht.ranked() if shared else list(queue)):
+            if req.request_id in skip or req.request_id not in self.cht.waiting:
+                continue
+            n = len(self.cht.running)
+            if n >= self.cap:
+                return
+            d = self.cht.describe(req)
+            limit = self.arm.loss_limit
+            if n >= self.floor and limit is not None and d.loss > limit:
+                return
+            yield req
+            if req.request_id in self.cht.running and d.held > 0 and d.loss == 0:
+                self.floor = max(self.floor, min(len(self.cht.running), self.cap))
+
+    def decodes(self, reqs: list) -> list:
+        if self.arm.loss_limit is None or len(reqs) <= 1 or self.cht.tip:
+            chosen = reqs  # no homogeneity asked, or the whole batch shares a prefix
+        else:
+            group = {}
+            for r in reqs:
+                keys = self.cht.keys.get(r.request_id)
+                group.setdefault(keys[0] if keys else ("own", r.request_id), []).append(r)
+            lead = max(group.values(), key=len)  # ties: the earliest admitted
+            ids = {r.request_id for r in lead}
+            aged = [r for r in reqs
+                    if r.request_id not in ids and self._aged(r.request_id, self.last_run)]
+            ids.update(r.request_id for r in aged)
+            rest = [r for r in reqs if r.request_id not in ids]
+            chosen = aged + lead + rest[:max(self.floor - len(lead) - len(aged), 0)]
+        chosen = chosen[:max(self.cap, sum(self._aged(r.request_id, self.last_run)
+                                           for r in chosen))]
+        for r in chosen:
+            self.last_run[r.request_id] = self.step
+        return chosen
+
+    def stats(self) -> dict:
+        return {"batching": self.name, "arm": str(self.arm), "floor": self.floor}
+
+
+class FeatherBanditBatching(FeatherBatching):
+    name = "feather-bandit"
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        f = cfg.feather
+        self.arms = f.arms
+        self.bandit = SlidingWindowUCB(len(self.arms), f.window, f.exploration)
+        self.arm_index = self.bandit.choose()
+        self.arm = self.arms[self.arm_index]
+        self._tokens = self._time = 0.0
+        self._steps = 0
+
+    def step_done(self, out, step_time: float) -> None:
+        self._tokens += sum(it.kind == DECODE for it in out.items)
+        self._time += step_time if step_time > 0 else 1.0
+        self._steps += 1
+        if self._steps >= self.cfg.round_steps:
+            self.bandit.reward(self.arm_index, self._tokens / self._time)
+            self._tokens = self._time = 0.0
+            self._steps = 0
+            self.arm_index = self.bandit.choose()
+            self.arm = self.arms[self.arm_index]
+
+    def stats(self) -> dict:
+        counts, means, _ = self.bandit.stats()
+        return {"batching": self.name, "arm": str(self.arm), "rounds": self.bandit.t,
+                "mean_reward": means[self.arm_index], "plays": counts[self.arm_index],
+                "floor": self.floor}
+
+
+POLICIES = {p.name: p for p in (FcfsBatching, LpmBatching, FeatherBatching,
+                                FeatherBanditBatching)}
+
+
+def check_batching(name) -> str:
+    if name not in POLICIES:
+        raise ValueError(f"unknown batching policy {name!r}; expected one of "
+                         f"{', '.join(BATCHING)}")
+    return name
+
+
+def make_batching(cfg):
+    """The batching policy of a `SchedulerConfig` (its `batching` and `feather` fields)."""
+    return POLICIES[check_batching(cfg.batching)](cfg)
