@@ -11,6 +11,7 @@ import itertools
 from collections.abc import Callable
 
 from hetero_jax.requests import INT32_MAX, require_bool, require_int, require_real
+from hetero_jax.sched.batching import FeatherConfig, check_batching
 
 _DTYPES = ("float32", "bfloat16")
 
@@ -45,6 +46,10 @@ class EngineConfig:
     dtype: str = "float32"
     max_logprobs: int = 5
     scheduler: str = "fcfs"
+    # Which generation requests are admitted and decode together (sched/batching.py), apart
+    # from `scheduler` (embedding vs generation tokens): fcfs | lpm | feather | feather-bandit.
+    batching: str = "fcfs"
+    feather: FeatherConfig = FeatherConfig()  # chunk_pages, loss limit, cap, aging, bandit arms
     attention_impl: str = "auto"  # auto | xla | pallas
     layer_loop: str = "auto"  # auto (unrolled on CPU, scan elsewhere) | scan | unrolled
     token_buckets: tuple | None = None  # None: powers of two from 16 up to token_budget
@@ -90,6 +95,9 @@ class EngineConfig:
         require_bool("prefix_caching", self.prefix_caching)
         if not isinstance(self.scheduler, str):
             raise ValueError(f"scheduler={self.scheduler!r} must be a policy name (a string)")
+        check_batching(self.batching)
+        if not isinstance(self.feather, FeatherConfig):
+            raise ValueError(f"feather={self.feather!r} must be a sched.FeatherConfig")
         if self.buffered_head is not None and not callable(self.buffered_head):
             raise ValueError(f"buffered_head={self.buffered_head!r} must be a function or None")
 

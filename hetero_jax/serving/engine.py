@@ -66,7 +66,7 @@ class Engine(BatchAPI):
             max_chunk_seqs=c.max_chunk_seqs, page_size=c.page_size, num_pages=c.num_pages,
             max_model_len=c.max_model_len, policy=c.scheduler,
             encoder_max_seqs=encoder.runner.batch_buckets[-1] if encoder else 0,
-            prefix_caching=c.prefix_caching))
+            prefix_caching=c.prefix_caching, batching=c.batching, feather=c.feather))
         if encoder and c.prefix_caching:
             warnings.warn("prefix caching serves generation only here: the separate encoder "
                           "embeds every input whole (a bidirectional encoder has no prefix "
@@ -79,6 +79,7 @@ class Engine(BatchAPI):
             cache_identity=_cache_identity(model_cfg, c) if c.prefix_caching else None,
             adapter_digests={adapter_ids[n]: _adapter_digest(a) for n, a in (adapters or {}).items()})
         self.stats = EngineStats()
+        self.stats.batching = self.scheduler.batching.stats()  # the arm and its mean reward
         self._ids = itertools.count()  # request ids; next() is atomic across threads
         self._lock = threading.RLock()  # one step (or one `run`) at a time
 
@@ -264,6 +265,7 @@ class Engine(BatchAPI):
         s.cache_queries, s.cache_evictions = pool.queries, pool.evictions
         s.cache_query_tokens, s.cache_hit_tokens = pool.query_pages * ps, pool.hit_pages * ps
         s.cascade_steps = self.runner.cascade_steps
+        s.batching = self.scheduler.batching.stats()
         self._count_compiles()
 
     def _count_compiles(self) -> None:

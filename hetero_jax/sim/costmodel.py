@@ -3,6 +3,12 @@
 In: a `StepShape` (token counts by item kind, sequences, cached context read, attention
 query-key pairs, sampled rows), computed from a `SchedulerOutput`. Out: seconds. Imports no jax.
 
+Attention is charged by the KV actually read: every sequence reads its whole context, except
+that in a decode-only step under cascade attention (`from_output(..., cascade=...)`,
+`kvreads.py`) the pages a tile of sequences shares are read once for the tile
+(`shared_kv_tokens` are the reads saved). Both cost models read `kv_read_tokens` (the linear
+model as its `context_tokens` feature).
+
 - `RooflineCostModel` (b): max(FLOPs / (peak * mfu), bytes / (bandwidth * mbu)) + a fixed
   per-step overhead, from a `ModelSpec` (layer shapes) and a `Hardware` (A100-40GB, H200).
 - `LinearCostModel` (a): an intercept plus a coefficient per step feature, read from JSON:
@@ -17,6 +23,7 @@ import dataclasses
 import json
 
 from hetero_jax.sched.output import DECODE, EMBED, PREFILL, SchedulerOutput
+from hetero_jax.sim.kvreads import CascadeSettings, kv_pages_saved
 
 FEATURES = ("tokens", "embed_tokens", "prefill_tokens", "decode_tokens", "seqs",
             "context_tokens", "attn_pairs", "sampled")
@@ -31,13 +38,22 @@ class StepShape:
     context_tokens: int = 0  # sum over sequences of the KV length read (cached + new)
     attn_pairs: int = 0  # causal query-key pairs: sum of n * start + n * (n + 1) / 2
     sampled: int = 0  # rows that go through the LM head
+    shared_kv_tokens: int = 0  # context reads cascade attention saves (shared pages read once)
 
     @property
     def tokens(self) -> int:
         return self.embed_tokens + self.prefill_tokens + self.decode_tokens
 
+    @property
+    def kv_read_tokens(self) -> int:
+        """KV tokens the attention reads (per sequence, less what a cascade tile shares)."""
+        return self.context_tokens - self.shared_kv_tokens
+
     @classmethod
-    def from_output(cls, out: SchedulerOutput) -> "StepShape":
+    def from_output(cls, out: SchedulerOutput, page_size: int = 16,
+                    cascade: CascadeSettings | None = None) -> "StepShape":
+        """The shape of a step; with `cascade`, a decode-only step's shared pages count once
+        per tile (as the engine reads them)."""
         by_kind = {EMBED: 0, PREFILL: 0, DECODE: 0}
         context = pairs = sampled = 0
         for it in out.items:
@@ -46,13 +62,14 @@ class StepShape:
             context += s + n
             pairs += n * s + n * (n + 1) // 2
             sampled += it.samples
+        saved = page_size * kv_pages_saved(out.items, page_size, cascade)
         return cls(by_kind[EMBED], by_kind[PREFILL], by_kind[DECODE], len(out.items), context,
-                   pairs, sampled)
+                   pairs, sampled, saved)
 
     def features(self) -> dict:
         return {"tokens": self.tokens, "embed_tokens": self.embed_tokens,
                 "prefill_tokens": self.prefill_tokens, "decode_tokens": self.decode_tokens,
-                "seqs": self.seqs, "context_tokens": self.context_tokens,
+                "seqs": self.seqs, "context_tokens": self.kv_read_tokens,
                 "attn_pairs": self.attn_pairs, "sampled": self.sampled}
 
 
@@ -123,7 +140,7 @@ class RooflineCostModel:
     def bytes(self, s: StepShape) -> float:
         m = self.model
         weights = m.layer_params + (m.hidden_size * m.vocab_size if s.sampled else 0)
-        return weights * m.bytes_per_param + m.kv_bytes_per_token * (s.context_tokens + s.tokens)
+        return weights * m.bytes_per_param + m.kv_bytes_per_token * (s.kv_read_tokens + s.tokens)
 
     def step_time(self, s: StepShape) -> float:
         if s.tokens == 0:
