@@ -6,12 +6,16 @@ In: argv (workload, policies, budget, chunk size, replicas, prefix caching, cost
 `--workload shared-prefix` runs the bench's groups sharing a prefix (`--groups`,
 `--prompts-per-group`, `--prefix-len`, `--suffix-len`; outputs from `--gen-output`, the mix
 from `--embed-frac`), with `--control` also the same lengths with nothing shared;
-`--prefix-caching on,off` runs every policy with the cache on and off. Every flag is checked
+`--prefix-caching on,off` runs every policy with the cache on and off; `--router
+least-tokens,prefix-affinity` (with `--replicas` >= 2) runs every policy behind each router
+(`sched.router`; prefix affinity remembers each replica's `--num-pages` digests and gives way
+at `--load-ratio` x the least load + `--load-slack` tokens). Every flag is checked
 before any simulation runs: a bad value, a request that can never fit (`--max-model-len`,
 `--num-pages`) or a `--json` path that cannot be written is a `parser.error` (exit status 2)
 naming the flag, the value and the limit. Out: one table row per policy, caching setting and
 workload on stdout (throughput per type, p50/p99 latency and TTFT, average budget fill,
-embedding share of scheduled tokens, prefix cache hit rate) and, with `--json PATH`, the
+embedding share of scheduled tokens, prefix cache hit rate, the requests routed by prefix
+affinity) and, with `--json PATH`, the
 same numbers as JSON: `{"config": {...}, "results": {row name: SimResult}}`. Imports no jax.
 
 The argument types here (`int_range`, `real_range`, `on_off`, `output_file`, `output_dir`) are
@@ -22,12 +26,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import math
 import os
 import tempfile
 
 from hetero_jax.sched import EMBED, GENERATE, POLICIES, SchedulerConfig
+from hetero_jax.sched.router import ROUTERS, RouterConfig
 from hetero_jax.sim.costmodel import HARDWARE, MODELS, load_cost_model
 from hetero_jax.sim.report import format_table
 from hetero_jax.sim.simulate import SimConfig, simulate
@@ -37,7 +43,8 @@ LIMITS = dict(budget=(1, 1 << 20), chunk=(1, 1 << 20), max_num_seqs=(1, 100_000)
               max_chunk_seqs=(1, 100_000), page_size=(1, 1 << 16), num_pages=(2, 10_000_000),
               max_model_len=(1, 1 << 24), replicas=(1, 1024), embed_replicas=(1, 1023),
               requests=(1, 10_000_000), clients=(1, 1_000_000), groups=(1, 1_000_000),
-              prompts_per_group=(1, 1_000_000), prefix_len=(0, 1 << 24), suffix_len=(1, 1 << 24))
+              prompts_per_group=(1, 1_000_000), prefix_len=(0, 1 << 24), suffix_len=(1, 1 << 24),
+              load_slack=(0, 1 << 40))
 LENGTH_SPECS = "128, 96,224, 96:0.55,224:0.45 or 64-256"
 
 
@@ -153,6 +160,16 @@ def on_off(text: str) -> tuple:
     return tuple(values[p] for p in parts)
 
 
+def router_list(text: str) -> tuple:
+    """An argparse type: comma-separated router names, each once."""
+    parts = text.split(",")
+    bad = next((p for i, p in enumerate(parts) if p not in ROUTERS or p in parts[:i]), None)
+    if bad is not None:
+        raise argparse.ArgumentTypeError(f"bad value {text!r}: {bad!r} is not a router, or "
+                                         f"comes twice; expected {' or '.join(ROUTERS)}")
+    return tuple(parts)
+
+
 def longest(dist: LengthDist) -> int:
     """The longest length `dist` can draw."""
     if dist.span:
@@ -187,6 +204,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="scheduler replicas behind the router")
     s.add_argument("--embed-replicas", type=ints["embed_replicas"], default=None,
                    help="dedicated: replicas that serve only embeddings (default: half)")
+    s.add_argument("--router", type=router_list, default=None,
+                   help="least-tokens (the default), prefix-affinity, or both comma-separated "
+                   "(rows '<policy> @<router>'); needs --replicas >= 2")
+    s.add_argument("--load-ratio", type=real_range(1), default=None,
+                   help="prefix-affinity gives way when its replica's load exceeds this x "
+                   f"the least load + --load-slack (default {RouterConfig.load_ratio})")
+    s.add_argument("--load-slack", type=ints["load_slack"], default=None,
+                   help=f"tokens; see --load-ratio (default {RouterConfig.load_slack})")
     s.add_argument("--prefix-caching", type=on_off, default="on",
                    help="on, off or on,off (side by side: each policy twice; the off rows "
                    "are <policy>/no-cache)")
@@ -303,16 +328,34 @@ def _configs(parser, args) -> tuple:
     workloads = [("", workload)] + (
         [(" unshared", dataclasses.replace(workload, shared=False))] if args.control else [])
     both = len(args.prefix_caching) > 1
+    routers = _routers(parser, args)
     names, configs = [], []
     for name in policies:
         for caching in args.prefix_caching:
             policy_sched = dataclasses.replace(
                 sched, policy="fcfs" if name == "dedicated" else name, prefix_caching=caching)
-            for suffix, wl in workloads:
-                names.append(f"{name}{'/no-cache' if both and not caching else ''}{suffix}")
+            for (suffix, wl), (at, router) in itertools.product(workloads, routers):
+                names.append(f"{name}{'/no-cache' if both and not caching else ''}{suffix}{at}")
                 configs.append(SimConfig(policy_sched, wl, args.replicas,
-                                         split if name == "dedicated" else 0))
+                                         split if name == "dedicated" else 0, router))
     return names, configs
+
+
+def _routers(parser, args) -> list:
+    """[(row suffix, RouterConfig)] of `--router`, or `parser.error`."""
+    for flag, value in (("--load-ratio", args.load_ratio), ("--load-slack", args.load_slack)):
+        if value is not None and "prefix-affinity" not in (args.router or ()):
+            parser.error(f"argument {flag}: bounds the prefix-affinity router; it needs "
+                         "--router prefix-affinity")
+    if args.router is None:
+        return [("", None)]
+    if args.replicas < 2:
+        parser.error(f"argument --router: routes between replicas; it needs --replicas >= 2 "
+                     f"(got {args.replicas})")
+    bound = {k: v for k, v in (("load_ratio", args.load_ratio), ("load_slack", args.load_slack))
+             if v is not None}
+    return [(f" @{name}" if len(args.router) > 1 else "",
+             RouterConfig(name, args.num_pages - 1, **bound)) for name in args.router]
 
 
 def _cost_model(parser, args):
@@ -334,13 +377,21 @@ COLUMNS = [
     ("TTFT p50 ms", "ttft_p50", "{:.1f}"), ("TTFT p99 ms", "ttft_p99", "{:.1f}"),
     ("emb p50 ms", "emb_p50", "{:.1f}"), ("emb p99 ms", "emb_p99", "{:.1f}"),
     ("fill", "fill", "{:.0%}"), ("emb tokens", "emb_share", "{:.1%}"),
-    ("hit rate", "hit_rate", "{:.1%}"), ("steps", "steps", "{}"),
+    ("hit rate", "hit_rate", "{:.1%}"), ("affinity", "affinity", "{:.0%}"),
+    ("steps", "steps", "{}"),
     ("preempted", "preemptions", "{}"),
 ]
 
 
 def _ms(x):
     return None if x is None else 1e3 * x
+
+
+def _affinity(routing: dict):
+    """The share of requests the router sent by prefix affinity (None: no such router)."""
+    total = sum(routing.get(k, 0) for k in ("least_tokens", "affinity", "overloaded"))
+    return routing["affinity"] / total if routing.get("affinity") or \
+        routing.get("overloaded") else None
 
 
 def table_row(name: str, r) -> dict:
@@ -351,7 +402,8 @@ def table_row(name: str, r) -> dict:
                 gen_p99=_ms(g["latency_p99_s"]), ttft_p50=_ms(g["ttft_p50_s"]),
                 ttft_p99=_ms(g["ttft_p99_s"]), emb_p50=_ms(e["latency_p50_s"]),
                 emb_p99=_ms(e["latency_p99_s"]), fill=r.avg_budget_fill,
-                emb_share=r.embed_token_share, hit_rate=r.cache_hit_rate, steps=r.steps,
+                emb_share=r.embed_token_share, hit_rate=r.cache_hit_rate,
+                affinity=_affinity(r.routing), steps=r.steps,
                 preemptions=r.preemptions)
 
 
@@ -372,7 +424,7 @@ def sim_main(argv=None) -> dict:
     print("latencies from arrival; TTFT: to the first generated token; fill: scheduled tokens /\n"
           "token budget, mean over steps; emb tokens: the embeddings' share of scheduled tokens;\n"
           "hit rate: tokens found in the prefix cache / full-page tokens looked up at admission\n"
-          "(- : cache off)")
+          "(- : cache off); affinity: requests routed to the replica holding their prefix")
     if args.json:
         write_json(args.json, {"config": vars(args),
                                "results": {n: r.to_dict() for n, r in results.items()}}, indent=2)

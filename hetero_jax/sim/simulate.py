@@ -3,10 +3,12 @@
 In: a `SimConfig` (scheduler config and policy, workload, replicas) and a cost model. Events
 (arrivals, step completions) run in time order on one heap; once every event due at a time
 has run, each idle replica with work starts a step: `schedule()`, whose duration the cost
-model gives. An arrival goes to the replica with the least remaining tokens (uncomputed input
-plus outputs still to generate) among those that serve its type: every replica, or with
-`embed_replicas = k > 0` the dedicated split, k replicas for embeddings and the rest for
-generation (the paper's static split over disjoint devices). At a step's end a fake runner
+model gives. An arrival goes where `sched.router` sends it (`SimConfig.router`: least
+remaining tokens, uncomputed input plus outputs still to generate, by default; or prefix
+affinity over the digests of its prompt's full pages, bounded by that load) among the
+replicas that serve its type: every replica, or with `embed_replicas = k > 0` the dedicated
+split, k replicas for embeddings and the rest for generation (the paper's static split over
+disjoint devices). At a step's end a fake runner
 samples token 7 for every sampling item (sims never stop early: generation runs to its
 `max_tokens`) and `update()` advances the requests. Out: a `SimResult` with throughput per
 type, p50/p99 latency and TTFT, average budget fill, the embedding share of the scheduled
@@ -27,7 +29,8 @@ import itertools
 
 from hetero_jax.sched import (EMBED, GENERATE, Request, RunnerOutput, SampledToken, Scheduler,
                               SchedulerConfig)
-from hetero_jax.sched.hashing import chain_seed
+from hetero_jax.sched.hashing import chain_seed, extend_hashes
+from hetero_jax.sched.router import Router, RouterConfig
 from hetero_jax.sim.costmodel import StepShape
 from hetero_jax.sim.report import percentile
 from hetero_jax.sim.workload import WorkloadConfig, arrival_times, request_specs
@@ -39,6 +42,7 @@ class SimConfig:
     workload: WorkloadConfig = WorkloadConfig()
     replicas: int = 1
     embed_replicas: int = 0  # > 0: the dedicated split (that many embedding-only replicas)
+    router: RouterConfig | None = None  # None: least tokens
 
 
 @dataclasses.dataclass
@@ -75,6 +79,7 @@ class Simulation:
         self.totals = _Totals()
         self._issued = 0
         self._cache_seed = chain_seed("hetero-jax sim", cfg.scheduler.page_size)
+        self.router = Router(cfg.replicas, cfg.router)
 
     def run(self) -> "SimResult":
         wl = self.cfg.workload
@@ -89,8 +94,7 @@ class Simulation:
             while self.events and self.events[0][0] == now:  # everything due now, then steps
                 _, _, kind, data = heapq.heappop(self.events)
                 if kind == "arrive":
-                    replica = min((r for r in self.replicas if data.kind in r.kinds),
-                                  key=lambda r: _remaining(r.sched))
+                    replica = self.replicas[self._route(data)]
                     data.arrival_time = now
                     replica.sched.add(data)
                 else:
@@ -98,6 +102,20 @@ class Simulation:
             for replica in self.replicas:
                 self._start(replica, now)
         return SimResult.collect(self, now)
+
+    def _route(self, req: Request) -> int:
+        """The router's replica for an arriving request (loads: remaining tokens)."""
+        eligible = [i for i, r in enumerate(self.replicas) if req.kind in r.kinds]
+        loads = [0] * len(self.replicas)
+        for i in eligible:
+            loads[i] = _remaining(self.replicas[i].sched)
+        hashes = []
+        if self.router.config.policy == "prefix-affinity":  # the pages a lookup may hit
+            page = self.cfg.scheduler.page_size
+            cap = (req.num_tokens - 1) // page
+            hashes = extend_hashes(req.block_hashes, req.prompt_token_ids[:cap * page], page,
+                                   req.cache_seed)[:cap]
+        return self.router.route(hashes, loads, eligible)
 
     def _issue(self, t: float) -> None:
         spec = self.specs[self._issued]
@@ -153,6 +171,7 @@ class SimResult:
     cache_query_tokens: int  # full-page tokens that admissions looked up in the prefix cache
     cache_hit_tokens: int  # of those, the ones found (and so never scheduled)
     cache_hit_rate: float | None  # hit / query tokens; None when nothing was looked up
+    routing: dict = dataclasses.field(default_factory=dict)  # the router's RoutingStats
 
     @classmethod
     def collect(cls, sim: Simulation, end: float) -> "SimResult":
@@ -176,7 +195,8 @@ class SimResult:
         hit = page * sum(r.sched.pages.hit_pages for r in sim.replicas)
         return cls(end, tot.steps, tot.fill / max(tot.steps, 1),
                    tot.embed_tokens / max(tot.tokens, 1), tot.busy_s, tot.preemptions, per_type,
-                   tot.tokens, query, hit, hit / query if query else None)
+                   tot.tokens, query, hit, hit / query if query else None,
+                   dataclasses.asdict(sim.router.stats))
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
