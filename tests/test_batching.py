@@ -198,7 +198,7 @@ def test_feather_bandit_reports_its_arm_and_mean_reward():
     stats = sched.batching.stats()
     assert stats["batching"] == "feather-bandit" and stats["rounds"] >= 2
     assert stats["arm"] in ("loss<=0,cap=4", "loss<=any,cap=max")
-    assert stats["mean_reward"] > 0  # decode tokens per step: the fake runner times nothing
+    assert stats["best_mean_reward"] > 0  # decode tokens per step: the fake runner times nothing
 
 
 def test_an_unknown_batching_name_raises_naming_it():

@@ -255,9 +255,11 @@ class FeatherBanditBatching(FeatherBatching):
 
     def stats(self) -> dict:
         counts, means, _ = self.bandit.stats()
+        best = max(range(len(self.arms)), key=lambda a: (means[a], -a))
         return {"batching": self.name, "arm": str(self.arm), "rounds": self.bandit.t,
-                "mean_reward": means[self.arm_index], "plays": counts[self.arm_index],
-                "floor": self.floor}
+                "mean_reward": means[self.arm_index] if counts[self.arm_index] else None,
+                "plays": counts[self.arm_index], "best_arm": str(self.arms[best]),
+                "best_mean_reward": means[best], "floor": self.floor}
 
 
 POLICIES = {p.name: p for p in (FcfsBatching, LpmBatching, FeatherBatching,

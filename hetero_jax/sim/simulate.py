@@ -19,7 +19,12 @@ carries the workload's token ids and one chain seed, so a request hits the pages
 exactly where their tokens agree. A hit moves the request's first scheduled token past its
 cached pages, so the cost model, which sees only scheduled items, charges nothing for cached
 tokens' FLOPs and weights, and still charges the attention reads over them (an item's context
-is its start plus its tokens). Imports no jax.
+is its start plus its tokens). With `SimConfig.cascade` a decode-only step whose sequences
+share cached pages reads them once per tile, as the engine's cascade attention does
+(`kvreads.py`); the result counts the KV tokens read, the steps that used cascade and the
+mean decode batch. The fake runner reports the cost model's step time, so the
+`feather-bandit` batching policy learns from simulated decode tokens per second. Imports no
+jax.
 """
 from __future__ import annotations
 
@@ -32,6 +37,7 @@ from hetero_jax.sched import (EMBED, GENERATE, Request, RunnerOutput, SampledTok
 from hetero_jax.sched.hashing import chain_seed, extend_hashes
 from hetero_jax.sched.router import Router, RouterConfig
 from hetero_jax.sim.costmodel import StepShape
+from hetero_jax.sim.kvreads import CascadeSettings
 from hetero_jax.sim.report import percentile
 from hetero_jax.sim.workload import WorkloadConfig, arrival_times, request_specs
 
@@ -43,6 +49,7 @@ class SimConfig:
     replicas: int = 1
     embed_replicas: int = 0  # > 0: the dedicated split (that many embedding-only replicas)
     router: RouterConfig | None = None  # None: least tokens
+    cascade: CascadeSettings | None = None  # None: plain attention (every sequence reads all)
 
 
 @dataclasses.dataclass
@@ -60,6 +67,10 @@ class _Totals:
     fill: float = 0.0
     busy_s: float = 0.0
     preemptions: int = 0
+    kv_read_tokens: int = 0
+    cascade_steps: int = 0
+    decode_steps: int = 0
+    decode_tokens: int = 0
 
 
 class Simulation:
@@ -101,7 +112,14 @@ class Simulation:
                     self._step_done(*data, now)
             for replica in self.replicas:
                 self._start(replica, now)
-        return SimResult.collect(self, now)
+        return dataclasses.replace(SimResult.collect(self, now), **self._locality())
+
+    def _locality(self) -> dict:
+        """The KV read, cascade steps, mean decode batch and replica 0's batching stats."""
+        tot = self.totals
+        return dict(kv_read_tokens=tot.kv_read_tokens, cascade_steps=tot.cascade_steps,
+                    mean_decode_batch=tot.decode_tokens / max(tot.decode_steps, 1),
+                    batching=self.replicas[0].sched.batching.stats())
 
     def _route(self, req: Request) -> int:
         """The router's replica for an arriving request (loads: remaining tokens)."""
@@ -132,8 +150,13 @@ class Simulation:
             return
         out = replica.sched.schedule()
         assert out.items, "the scheduler produced an empty step while requests are pending"
-        dt = self.cost.step_time(StepShape.from_output(out))
+        shape = StepShape.from_output(out, self.cfg.scheduler.page_size, self.cfg.cascade)
+        dt = self.cost.step_time(shape)
         tot = self.totals
+        tot.kv_read_tokens += shape.kv_read_tokens
+        tot.cascade_steps += shape.shared_kv_tokens > 0
+        tot.decode_steps += shape.decode_tokens > 0
+        tot.decode_tokens += shape.decode_tokens
         tot.steps += 1
         tot.tokens += out.num_tokens
         tot.embed_tokens += out.tokens_of(EMBED)
@@ -141,11 +164,11 @@ class Simulation:
         tot.busy_s += dt
         tot.preemptions += len(out.preempted)
         replica.busy = True
-        self._push(now + dt, "step", (replica, out))
+        self._push(now + dt, "step", (replica, out, dt))
 
-    def _step_done(self, replica: _Replica, out, now: float) -> None:
+    def _step_done(self, replica: _Replica, out, dt: float, now: float) -> None:
         sampled = {it.request_id: SampledToken(7, 0.0) for it in out.items if it.samples}
-        for req in replica.sched.update(out, RunnerOutput(sampled), now):
+        for req in replica.sched.update(out, RunnerOutput(sampled, dt), now):
             self.done.append(req)
             if self.cfg.workload.arrival == "closed" and self._issued < len(self.specs):
                 self._issue(now)
@@ -172,6 +195,10 @@ class SimResult:
     cache_hit_tokens: int  # of those, the ones found (and so never scheduled)
     cache_hit_rate: float | None  # hit / query tokens; None when nothing was looked up
     routing: dict = dataclasses.field(default_factory=dict)  # the router's RoutingStats
+    kv_read_tokens: int = 0  # KV tokens the attention read, every step
+    cascade_steps: int = 0  # decode-only steps that read shared pages once per tile
+    mean_decode_batch: float = 0.0  # decode tokens per step that has any
+    batching: dict = dataclasses.field(default_factory=dict)  # replica 0's batching stats
 
     @classmethod
     def collect(cls, sim: Simulation, end: float) -> "SimResult":
