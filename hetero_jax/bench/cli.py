@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import os
+import re
 import sys
 import time
 
@@ -51,18 +52,28 @@ def enable_compile_cache(path: str) -> None:
 
 
 class Contender:
-    """One scheduler's engine (with prefix caching on or off) and how to make a closed-loop
-    front for it; named by its scheduler, "/no-cache" added when caching is off in a run
-    that compares both."""
+    """One scheduler's engine (with prefix caching on or off, a batching policy, cascade
+    attention on or off) and how to make a closed-loop front for it; named by its scheduler,
+    "+<batching>" added when the run names a batching policy other than fcfs ("+feather[arm]"
+    for one fixed arm), "/no-cache" when caching is off and "/plain" when cascade is off in a
+    run that compares both."""
 
-    def __init__(self, scheduler: str, cfg: BenchConfig, engine_config, caching: bool = True):
+    def __init__(self, scheduler: str, cfg: BenchConfig, engine_config, caching: bool = True,
+                 batching: str = "fcfs", arm=None, cascade: bool = True):
         from hetero_jax.serving.factory import make_engine
 
         self.scheduler = scheduler
         both = len(cfg.prefix_caching) > 1
-        self.name = scheduler + ("/no-cache" if both and not caching else "")
+        shown = f"feather[{arm}]" if arm is not None else batching
+        self.name = scheduler + (f"+{shown}" if cfg.batching != ("fcfs",) else "") + (
+            "/no-cache" if both and not caching else "") + (
+            "/plain" if len(cfg.cascade) > 1 and not cascade else "")
+        feather = engine_config.feather if arm is None else dataclasses.replace(
+            engine_config.feather, loss_limit=arm.loss_limit, cap=arm.cap)
         self.engine = make_engine(cfg.model or cfg.preset, dataclasses.replace(
-            engine_config, scheduler=scheduler, prefix_caching=caching), cfg.seed)
+            engine_config, scheduler=scheduler, prefix_caching=caching, batching=batching,
+            feather=feather, cascade_rows=engine_config.cascade_rows if cascade else 0),
+            cfg.seed)
         self.token_budget = engine_config.token_budget
         self.tokenizer = getattr(self.engine, "tokenizer", None) or _tokenizer(cfg.model)
         self.batch_sizes = None  # dedicated: the generation worker's batch sizes, last run
@@ -74,6 +85,9 @@ class Contender:
         records = asyncio.run(self._loop(items, clients, on_done, index, iterations))
         after = counters(self.engine)
         row = summarize(records, counters_delta(before, after), self.token_budget)
+        batching = getattr(getattr(self.engine, "stats", None), "batching", None)
+        if batching and batching["batching"] != "fcfs":
+            row["batching"] = dict(batching)  # the bandit's arm, its mean reward
         if self.batch_sizes:
             row["dedicated_mean_gen_batch"] = sum(self.batch_sizes) / len(self.batch_sizes)
         return dict(scheduler=self.name, **row)
@@ -132,10 +146,15 @@ def run_bench(cfg: BenchConfig) -> dict:
     enable_compile_cache(cfg.compile_cache)
     engine_config = cfg.engine_config()
     t0 = time.perf_counter()
-    n = len(cfg.schedulers)
+    batchings = [(b, None) for b in cfg.batching if b != "each-arm"] + (
+        [("feather", arm) for arm in cfg.arms] if "each-arm" in cfg.batching else [])
+    combos = [(name, caching, b, arm, cascade) for name in cfg.schedulers
+              for b, arm in batchings for caching in cfg.prefix_caching
+              for cascade in cfg.cascade]
+    n = len(combos)
     print(f"building {n} engine{'s' if n > 1 else ''} ...", flush=True)
-    contenders = [Contender(name, cfg, engine_config, caching) for name in cfg.schedulers
-                  for caching in cfg.prefix_caching]
+    contenders = [Contender(name, cfg, engine_config, caching, b, arm, cascade)
+                  for name, caching, b, arm, cascade in combos]
     try:
         lists, docs = workload_items(cfg)
         index = None
@@ -197,15 +216,18 @@ async def _with_front(contender, fn, *a):
         await front.close()
 
 
-def add_ratios_to_ibs(rows: list) -> None:
-    """Each row's requests/s over ibs's (same list) and over its own scheduler's without the
-    prefix cache (when the run compares both)."""
+def add_ratios(rows: list) -> None:
+    """Each row's requests/s over ibs's (same list), over its own scheduler's without the
+    prefix cache and over its own scheduler's with fcfs batching (when the run compares
+    them)."""
     rate = {(r["ratio"], r["scheduler"]): r["requests_per_s"] for r in rows}
     for r in rows:
         base = rate.get((r["ratio"], "ibs"))
         r["vs_ibs"] = r["requests_per_s"] / base if base else None
         off = rate.get((r["ratio"], r["scheduler"] + "/no-cache"))
         r["vs_no_cache"] = r["requests_per_s"] / off if off else None
+        fcfs = rate.get((r["ratio"], re.sub(r"\+[^/]+", "+fcfs", r["scheduler"], count=1)))
+        r["vs_fcfs"] = r["requests_per_s"] / fcfs if fcfs and "+" in r["scheduler"] else None
 
 
 def bench_main(argv=None) -> int:
@@ -218,7 +240,7 @@ def bench_main(argv=None) -> int:
         from hetero_jax.bench.hf_baseline import run_hf_rows
 
         rows += run_hf_rows(cfg, result["lists"])
-    add_ratios_to_ibs(rows)
+    add_ratios(rows)
     config = dict(dataclasses.asdict(cfg), wall_s=time.perf_counter() - start,
                   setup_s=result["setup_s"], load_start=load0, load_end=os.getloadavg()[0])
     _print_results(cfg, rows, config)
@@ -258,6 +280,10 @@ def _print_results(cfg: BenchConfig, rows: list, config: dict) -> None:
             print(f"{r['scheduler']}: {r['questions_per_s']:.3f} questions/s, p99 question "
                   f"latency {r['p99_latency_s']:.1f} s ({cfg.iterations} x retrieve, "
                   "generate, embed)")
+        b = r.get("batching") or {}
+        if "best_arm" in b:
+            print(f"{r['scheduler']} at {r['ratio']}: {b['rounds']} rounds, last arm {b['arm']}, "
+                  f"best arm {b['best_arm']} ({b['best_mean_reward']:.1f} decode tok/s)")
         if r["scheduler"] == "hf" and r.get("vs_ibs"):
             print(f"ibs / transformers at {r['ratio']}: {1 / r['vs_ibs']:.2f}x requests/s")
     print(NOTES)

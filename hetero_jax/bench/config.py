@@ -15,15 +15,18 @@ import dataclasses
 import os
 
 from hetero_jax.bench.workloads import MixedWorkload, synthetic_iter_retgen
+from hetero_jax.sched.bandit import DEFAULT_ARMS, make_arms
+from hetero_jax.sched.batching import BATCHING
 from hetero_jax.sim.cli import int_range, output_dir, output_file, real_range
 
 SCHEDULERS = ("ibs", "fcfs", "homogeneous", "dedicated")
+BATCHINGS = BATCHING + ("each-arm",)  # each-arm: feather with every --arms arm fixed, one row each
 LIMITS = dict(clients=(1, 1024), requests=(1, 100_000), min_gens=(0, 100_000), repeats=(1, 20),
               embed_len=(1, 8192), prompt_len=(1, 8192), output_len=(1, 8192), iterations=(1, 10),
               token_budget=(16, 8192), chunk_size=(1, 8192), max_num_seqs=(1, 1024),
               max_chunk_seqs=(1, 64), warmup=(0, 10_000), seed=(0, 2**32 - 1), groups=(1, 10_000),
               prompts_per_group=(1, 10_000), prefix_len=(0, 8192), suffix_len=(1, 8192),
-              instruction_len=(0, 8192))
+              instruction_len=(0, 8192), chunk_pages=(1, 1024))
 QUICK = dict(clients=4, requests=8, min_gens=2, embed_len=16, prompt_len=16, output_len=16,
              warmup=0, token_budget=16, chunk_size=16, max_num_seqs=8, max_chunk_seqs=1)
 _DEFAULT_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "hetero-jax", "xla")
@@ -64,6 +67,32 @@ def parse_on_off(text: str) -> tuple:
     return tuple(values[p] for p in parts)
 
 
+def parse_batching(text: str) -> list:
+    names = [s for s in text.split(",") if s]
+    bad = [s for s in names if s not in BATCHINGS]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(
+            f"unknown batching policy {bad[0] if bad else text!r}; expected a comma-separated "
+            f"subset of {','.join(BATCHINGS)}")
+    return list(dict.fromkeys(names))
+
+
+def parse_arms(text: str) -> tuple:
+    """'0:8,2:16,any:max' -> bandit arms ((0, 8), (2, 16), (None, None))."""
+    pairs = []
+    for part in text.split(","):
+        try:
+            loss, cap = part.split(":")
+            pairs.append(tuple(None if x in ("any", "max") else int(x) for x in (loss, cap)))
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"bad arm {part!r}: expected LOSS:CAP like 0:8, 2:16 or any:max") from None
+    try:
+        return make_arms(pairs)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def parse_schedulers(text: str) -> list:
     names = [s for s in text.split(",") if s]
     bad = [s for s in names if s not in SCHEDULERS]
@@ -86,6 +115,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ratios", type=parse_ratios, default="9:1,5:5,1:9",
                    help="embed:gen request ratios (mixed workload)")
     p.add_argument("--schedulers", type=parse_schedulers, default=",".join(SCHEDULERS))
+    p.add_argument("--batching", type=parse_batching, default="fcfs",
+                   help="batch-forming policies, each with every scheduler (rows "
+                   f"'<scheduler>+<batching>'): {','.join(BATCHINGS)}")
+    arms = ",".join(f"{'any' if a.loss_limit is None else a.loss_limit}:"
+                    f"{'max' if a.cap is None else a.cap}" for a in DEFAULT_ARMS)
+    p.add_argument("--arms", type=parse_arms, default=arms,
+                   help="feather-bandit's arms (and each-arm's rows), LOSS:CAP in chunks and "
+                   f"running requests, any/max for no limit (default {arms})")
+    p.add_argument("--chunk-pages", type=int_in("chunk_pages"), default=4,
+                   help="feather: KV pages per chunk of the hash tree")
+    p.add_argument("--cascade", type=parse_on_off, default="on",
+                   help="cascade attention on, off or on,off (off rows '<name>/plain')")
     p.add_argument("--clients", type=int_in("clients"), default=16,
                    help="closed-loop clients (concurrent requests or questions)")
     p.add_argument("--requests", type=int_in("requests"), default=48,
@@ -165,6 +206,10 @@ class BenchConfig:
     suffix_len: int
     control: bool
     prefix_caching: tuple  # (True,), (False,) or both: every scheduler with each
+    batching: tuple  # batch-forming policies: every scheduler with each
+    arms: tuple  # sched.bandit.Arm: feather-bandit's, and each-arm's rows
+    chunk_pages: int
+    cascade: tuple  # (True,), (False,) or both
     token_budget: int
     chunk_size: int
     max_num_seqs: int
@@ -208,6 +253,7 @@ class BenchConfig:
                          f"{args.token_budget}")
         return cls(**dict(
             vars(args), ratios=tuple(args.ratios), schedulers=tuple(args.schedulers),
+            batching=tuple(args.batching),
             warmup=args.clients if args.warmup is None else args.warmup,
             min_gens=args.clients if args.min_gens is None else args.min_gens,
             vocab_size=model_cfg.vocab_size, max_model_len=-(-need // 64) * 64))
@@ -222,9 +268,12 @@ class BenchConfig:
         """The `EngineConfig` every contender shares (each sets its own scheduler)."""
         from hetero_jax.config import EngineConfig
 
+        from hetero_jax.sched import FeatherConfig
+
         return EngineConfig(token_budget=self.token_budget, chunk_size=self.chunk_size,
                             max_num_seqs=self.max_num_seqs, max_chunk_seqs=self.max_chunk_seqs,
-                            max_model_len=self.max_model_len, seed=self.seed)
+                            max_model_len=self.max_model_len, seed=self.seed,
+                            feather=FeatherConfig(chunk_pages=self.chunk_pages, arms=self.arms))
 
 
 def parse_config(argv=None) -> BenchConfig:

@@ -16,6 +16,7 @@ COLUMNS = [
     ("fill", "budget_fill", "{:.0%}"), ("steps", "steps", "{}"), ("compiles", "compiles", "{}"),
     ("compile s", "compile_s", "{:.1f}"), ("hit", "cache_hit_rate", "{:.0%}"),
     ("x ibs", "vs_ibs", "{:.2f}"), ("x no cache", "vs_no_cache", "{:.2f}"),
+    ("x fcfs", "vs_fcfs", "{:.2f}"),
 ]
 
 
@@ -27,6 +28,9 @@ p50/p99: latency from submit to finish, all requests; TTFT: generation requests.
 fill: scheduled tokens / (steps x token budget), both workers together for dedicated.
 hit: prompt tokens found in the prefix cache / tokens looked up; "x no cache": requests/s over
   the same scheduler's run with prefix caching off ("<scheduler>/no-cache").
+<scheduler>+<batching>: a batch-forming policy (fcfs, lpm, feather, feather-bandit, or
+  feather[arm] with one fixed arm); "x fcfs": requests/s over <scheduler>+fcfs; "/plain":
+  cascade attention off (every decode sequence reads all its pages).
 dedicated: two single-core engine processes, one for embeddings and one for generation;
   each serves one batch at a time, so a request that arrives while its worker's batch runs
   waits for the next batch. Its compile s is the longer of the two workers' (subtracting it
