@@ -90,3 +90,17 @@ def test_the_simulator_and_the_batching_policies_import_no_jax():
             "hetero_jax.sched.batching, hetero_jax.sched.cht; "
             "assert not [m for m in sys.modules if m.split('.')[0] in ('jax', 'jaxlib')]")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_the_batching_table_puts_every_policy_beside_fcfs(tmp_path, capsys):
+    from hetero_jax.sim.batching_table import main
+
+    rows = main(["--groups", "2", "--prompts-per-group", "4", "--prefix-len", "256",
+                 "--output-len", "8", "--clients", "8", "--control", "--json",
+                 str(tmp_path / "t.json")])
+    assert [(r["workload"], r["batching"], r["cascade"]) for r in rows] == [
+        (w, b, c) for w in ("2 groups", "no sharing") for c in ("off", "on") for b in BATCHING]
+    assert all(r["vs_fcfs"] == 1.0 for r in rows if r["batching"] == "fcfs")
+    on = next(r for r in rows if r["workload"] == "2 groups" and r["cascade"] == "on")
+    off = next(r for r in rows if r["workload"] == "2 groups" and r["cascade"] == "off")
+    assert on["kv_gb"] < off["kv_gb"] and "x fcfs" in capsys.readouterr().out

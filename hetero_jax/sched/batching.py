@@ -20,7 +20,8 @@ Plain Python; imports no jax.
   shares with the batch and loses nothing; at most `cap` generation requests run. When no
   waiting request shares a chunk with the batch, arrival order. Decodes: when the running
   batch has no common prefix, the largest group of decodes sharing a first chunk runs, topped
-  up to the floor in admission order; the others wait with their pages. Aging: a request that
+  up to the floor in admission order; the others wait with their pages (when no two decodes
+  share a chunk, all run). Aging: a request that
   waited `aging_steps` steps for admission, or a decode that has not run for that long, is
   taken first whatever the limits, so nothing starves.
 - `feather-bandit`: `feather` whose (loss_limit, cap) arm a sliding-window UCB bandit
@@ -47,8 +48,8 @@ class FeatherConfig:
     floor: int = 4  # batch size below which any request is admitted
     aging_steps: int = 64  # waiting this many steps forces a request (or a decode) in
     arms: tuple = DEFAULT_ARMS  # feather-bandit: (loss_limit, cap) pairs
-    window: int = 64  # feather-bandit: rounds the bandit remembers
-    round_steps: int = 8  # feather-bandit: steps per round (one arm each)
+    window: int = 256  # feather-bandit: rounds the bandit remembers
+    round_steps: int = 4  # feather-bandit: steps per round (one arm each)
     exploration: float = 1.0  # feather-bandit: the UCB constant c
 
     def __post_init__(self):
@@ -213,6 +214,8 @@ class FeatherBatching(FcfsBatching):
                 keys = self.cht.keys.get(r.request_id)
                 group.setdefault(keys[0] if keys else ("own", r.request_id), []).append(r)
             lead = max(group.values(), key=len)  # ties: the earliest admitted
+            if len(lead) == 1:  # no two decodes share a chunk: nothing to gain by waiting
+                lead = reqs
             ids = {r.request_id for r in lead}
             aged = [r for r in reqs
                     if r.request_id not in ids and self._aged(r.request_id, self.last_run)]

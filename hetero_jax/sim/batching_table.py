@@ -1,0 +1,127 @@
+"""Batching policies side by side in the simulator, with cascade attention off and on.
+
+    python -m hetero_jax.sim.batching_table --cost roofline:h200 --model llama-3-8b \
+        --groups 4,16 --prefix-len 2048 --control
+
+In: the flags below (a shared-prefix workload in a closed loop, the scheduler's limits, a cost
+model). Out: one row per workload x batching policy (and, with `--each-arm`, feather with each
+bandit arm fixed) x cascade setting: generation requests and tokens per second, the ratio to
+fcfs with the same cascade setting, the KV the attention read (GB, from the model's bytes per
+token), steps, the mean decode batch, the steps that used cascade, the prefix-cache hit rate
+and the bandit's best arm; `--json PATH` writes the rows. Every run uses the scheduler of the
+engine (`sched.Scheduler`) under the simulator's cost model; imports no jax.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+from hetero_jax.sched import BATCHING, SchedulerConfig
+from hetero_jax.sched.bandit import DEFAULT_ARMS
+from hetero_jax.sched.batching import FeatherConfig
+from hetero_jax.sim.cli import int_range, output_file, write_json
+from hetero_jax.sim.costmodel import HARDWARE, MODELS, ModelSpec, load_cost_model
+from hetero_jax.sim.kvreads import CascadeSettings
+from hetero_jax.sim.report import format_table
+from hetero_jax.sim.simulate import SimConfig, simulate
+from hetero_jax.sim.workload import LengthDist, WorkloadConfig
+
+COLUMNS = [("workload", "workload", "{}"), ("batching", "batching", "{}"),
+           ("cascade", "cascade", "{}"), ("gen req/s", "gen_rps", "{:.2f}"),
+           ("gen tok/s", "gen_tps", "{:.0f}"), ("x fcfs", "vs_fcfs", "{:.2f}"),
+           ("KV read GB", "kv_gb", "{:.0f}"), ("steps", "steps", "{}"),
+           ("decode batch", "decode_batch", "{:.1f}"), ("cascade steps", "cascade_steps", "{}"),
+           ("hit", "hit_rate", "{:.0%}"), ("best arm", "best_arm", "{}")]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m hetero_jax.sim.batching_table",
+                                description=__doc__.split("\n")[0])
+    ints = int_range(1, 1 << 20)
+    p.add_argument("--cost", default="roofline:h200",
+                   help=f"roofline:<{'|'.join(HARDWARE)}> or a cost model JSON file")
+    p.add_argument("--model", default="llama-3-8b", choices=list(MODELS),
+                   help="the roofline's model and the bytes per KV token of the KV column")
+    p.add_argument("--groups", default="4", help="comma-separated prefix group counts")
+    p.add_argument("--prompts-per-group", type=ints, default=64)
+    p.add_argument("--prefix-len", type=int_range(0, 1 << 20), default=2048)
+    p.add_argument("--suffix-len", type=ints, default=32)
+    p.add_argument("--output-len", type=ints, default=256)
+    p.add_argument("--embed-frac", type=float, default=0.0)
+    p.add_argument("--clients", type=ints, default=64)
+    p.add_argument("--control", action="store_true", help="also the no-sharing control")
+    p.add_argument("--each-arm", action="store_true", help="feather with each arm fixed")
+    p.add_argument("--budget", type=ints, default=2048)
+    p.add_argument("--chunk", type=ints, default=512)
+    p.add_argument("--max-num-seqs", type=ints, default=64)
+    p.add_argument("--num-pages", type=int_range(2, 1 << 30), default=65536)
+    p.add_argument("--chunk-pages", type=ints, default=4)
+    p.add_argument("--cascade-rows", type=ints, default=8)
+    p.add_argument("--policy", default="ibs", help="the scheduling policy (embed vs generate)")
+    p.add_argument("--json", metavar="PATH", type=output_file)
+    return p
+
+
+def _contenders(args) -> list:
+    """(name, batching, FeatherConfig) for every policy (and fixed arm) of the table."""
+    base = FeatherConfig(chunk_pages=args.chunk_pages)
+    out = [(name, name, base) for name in BATCHING]
+    if args.each_arm:
+        out += [(f"feather[{arm}]", "feather",
+                 dataclasses.replace(base, loss_limit=arm.loss_limit, cap=arm.cap))
+                for arm in DEFAULT_ARMS]
+    return out
+
+
+def table(args) -> list:
+    cost = load_cost_model(args.cost, args.model)
+    spec: ModelSpec = MODELS[args.model]
+    max_len = args.prefix_len + args.suffix_len + args.output_len
+    workloads = [(f"{g} groups", g, True) for g in map(int, args.groups.split(","))]
+    if args.control:
+        workloads.append(("no sharing", int(args.groups.split(",")[0]), False))
+    rows = []
+    for label, groups, shared in workloads:
+        wl = WorkloadConfig(name="shared-prefix", groups=groups,
+                            prompts_per_group=args.prompts_per_group,
+                            prefix_len=args.prefix_len, suffix_len=args.suffix_len,
+                            gen_output=LengthDist((args.output_len,)),
+                            embed_frac=args.embed_frac, arrival="closed",
+                            clients=args.clients, shared=shared)
+        for cascade in (False, True):
+            settings = CascadeSettings(args.cascade_rows, 16, args.max_num_seqs) if cascade \
+                else None
+            base = None
+            for name, batching, feather in _contenders(args):
+                sched = SchedulerConfig(
+                    token_budget=args.budget, chunk_size=args.chunk,
+                    max_num_seqs=args.max_num_seqs, max_chunk_seqs=8, page_size=16,
+                    num_pages=args.num_pages, max_model_len=max_len, policy=args.policy,
+                    prefix_caching=True, batching=batching, feather=feather)
+                r = simulate(SimConfig(sched, wl, cascade=settings), cost)
+                g = r.per_type["generate"]
+                base = base or g["throughput_rps"]
+                rows.append(dict(
+                    workload=label, batching=name, cascade="on" if cascade else "off",
+                    gen_rps=g["throughput_rps"], gen_tps=g["tokens_per_s"],
+                    vs_fcfs=g["throughput_rps"] / base if base else None,
+                    kv_gb=r.kv_read_tokens * spec.kv_bytes_per_token / 1e9, steps=r.steps,
+                    decode_batch=r.mean_decode_batch, cascade_steps=r.cascade_steps,
+                    hit_rate=r.cache_hit_rate, best_arm=r.batching.get("best_arm", "")))
+    return rows
+
+
+def main(argv=None) -> list:
+    args = build_parser().parse_args(argv)
+    rows = table(args)
+    print(f"cost model {args.cost} / {args.model}; {args.prompts_per_group} requests per group, "
+          f"prefix {args.prefix_len} + suffix {args.suffix_len} tokens, {args.output_len} "
+          f"outputs, {args.clients} closed-loop clients, scheduler {args.policy}")
+    print(format_table(rows, COLUMNS))
+    if args.json:
+        write_json(args.json, dict(config=vars(args), rows=rows), indent=1)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
