@@ -148,7 +148,7 @@ class FeatherBatching(FcfsBatching):
         self.cht = ChunkedHashTree(cfg.page_size, f.chunk_pages)
         self.arm = Arm(f.loss_limit, f.cap)
         self.floor = f.floor
-        self.since: dict = {}  # waiting request_id -> step it (re)entered the queue
+        self.since: dict = {}  # waiting request_id -> step it (re)entered the queue, in that order
         self.last_run: dict = {}  # running request_id -> step its last decode was scheduled
 
     @property
@@ -167,7 +167,8 @@ class FeatherBatching(FcfsBatching):
     def preempted(self, req) -> None:
         self.cht.preempt(req)
         self.last_run.pop(req.request_id, None)
-        self.since[req.request_id] = self.step
+        self.since.pop(req.request_id, None)
+        self.since[req.request_id] = self.step  # at the end: `since` stays in step order
         self._maybe_reset_floor()
 
     def removed(self, req) -> None:
@@ -184,7 +185,11 @@ class FeatherBatching(FcfsBatching):
         return self.step - table[rid] >= self.cfg.aging_steps
 
     def order(self, queue):
-        aged = [r for r in queue if self._aged(r.request_id, self.since)]
+        aged = []  # the front of `since`, the longest waiting first
+        for rid in self.since:
+            if not self._aged(rid, self.since):
+                break
+            aged.append(self.cht.waiting[rid])
         yield from aged  # whatever the cap and the loss
         best = self.cht.find_best()
         if best is None:
