@@ -46,7 +46,7 @@ class FeatherConfig:
     loss_limit: int | None = 2  # chunks of the common prefix an admission may lose (None: any)
     cap: int | None = None  # generation requests running at most (None: max_num_seqs)
     floor: int = 4  # batch size below which any request is admitted
-    aging_steps: int = 64  # waiting this many steps forces a request (or a decode) in
+    aging_steps: int = 1024  # waiting this many steps forces a request (or a decode) in
     arms: tuple = DEFAULT_ARMS  # feather-bandit: (loss_limit, cap) pairs
     window: int = 256  # feather-bandit: rounds the bandit remembers
     round_steps: int = 4  # feather-bandit: steps per round (one arm each)
@@ -191,20 +191,21 @@ class FeatherBatching(FcfsBatching):
                 break
             aged.append(self.cht.waiting[rid])
         yield from aged  # whatever the cap and the loss
-        best = self.cht.find_best()
-        if best is None:
-            return
-        skip = {r.request_id for r in aged}
-        shared = best.held > 0
-        for req in (self.cht.ranked() if shared else list(queue)):
-            if req.request_id in skip or req.request_id not in self.cht.waiting:
-                continue
-            n = len(self.cht.running)
-            if n >= self.cap:
+        tried = {r.request_id for r in aged}
+        ranked, arrival = self.cht.ranked(), iter(list(queue))
+        while True:
+            best = self.cht.find_best()  # re-ranked after each admission
+            if best is None:
                 return
-            d = self.cht.describe(req)
-            limit = self.arm.loss_limit
-            if n >= self.floor and limit is not None and d.loss > limit:
+            # the fewest missing chunks, or arrival order when nothing shares with the batch
+            req = next((r for r in (ranked if best.held > 0 else arrival)
+                        if r.request_id not in tried and r.request_id in self.cht.waiting), None)
+            if req is None:
+                return
+            tried.add(req.request_id)
+            n, d, limit = len(self.cht.running), self.cht.describe(req), self.arm.loss_limit
+            if n >= self.cap or (n >= self.floor and limit is not None and (
+                    d.loss > limit or d.held == 0)):  # it would lose, or start a new group
                 return
             yield req
             if req.request_id in self.cht.running and d.held > 0 and d.loss == 0:
