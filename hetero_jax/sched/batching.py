@@ -14,16 +14,17 @@ Plain Python; imports no jax.
   longest prefix held by a running request (a `RadixTree` over token ids), longest first,
   ties by arrival, matched once per step; arrival order past `LPM_FALLBACK` waiting.
 - `feather`: the Chunked Hash Tree's ranking (`cht.py`): the request with the fewest chunks
-  missing from the running batch first. One is admitted while the prefix loss (the running
-  batch's common chunks lost by admitting it) stays within `loss_limit`, or the batch is under
-  its floor; the floor starts at `floor` and grows to the batch size with each admission that
-  shares with the batch and loses nothing; at most `cap` generation requests run. When no
-  waiting request shares a chunk with the batch, arrival order. Decodes: when the running
-  batch has no common prefix, the largest group of decodes sharing a first chunk runs, topped
-  up to the floor in admission order; the others wait with their pages (when no two decodes
-  share a chunk, all run). Aging: a request that
-  waited `aging_steps` steps for admission, or a decode that has not run for that long, is
-  taken first whatever the limits, so nothing starves.
+  missing from the running batch first (re-ranked after each admission; arrival order while
+  no waiting request shares a chunk with the batch). Past the batch's floor a request is
+  admitted only while the prefix loss (the running batch's common chunks it would lose) stays
+  within `loss_limit` and, while some waiting request shares with the batch, it shares too.
+  The floor starts at `floor` and grows to the batch size with each admission that shares
+  with the batch and loses nothing; at most `cap` generation requests run. Decodes: when the
+  running batch has no common prefix, the largest group of decodes sharing a first chunk
+  runs, topped up to the floor in admission order; the others wait with their pages (when no
+  two decodes share a chunk, all run). Aging: a request that waited `aging_steps` steps for
+  admission, or a decode that has not run for that long, goes first whatever the limits, so
+  nothing starves.
 - `feather-bandit`: `feather` whose (loss_limit, cap) arm a sliding-window UCB bandit
   (`bandit.py`) picks per round of `round_steps` steps, rewarded by the round's decode tokens
   per second (measured step times; tokens per step when a runner reports none).
@@ -205,8 +206,8 @@ class FeatherBatching(FcfsBatching):
             tried.add(req.request_id)
             n, d, limit = len(self.cht.running), self.cht.describe(req), self.arm.loss_limit
             if n >= self.cap or (n >= self.floor and limit is not None and (
-                    d.loss > limit or d.held == 0)):  # it would lose, or start a new group
-                return
+                    d.loss > limit or d.held < (best.held > 0))):  # lose, or start a group
+                return  # while others share with the batch
             yield req
             if req.request_id in self.cht.running and d.held > 0 and d.loss == 0:
                 self.floor = max(self.floor, min(len(self.cht.running), self.cap))

@@ -3,8 +3,8 @@
     python -m hetero_jax.sim.batching_table --cost roofline:h200 --model llama-3-8b \
         --groups 4,16 --prefix-len 2048 --control
 
-In: the flags below (a shared-prefix workload in a closed loop, the scheduler's limits, a cost
-model). Out: one row per workload x batching policy (and, with `--each-arm`, feather with each
+In: the flags below (a shared-prefix workload in a closed loop or a burst, the scheduler's
+limits, a cost model). Out: one row per workload x batching policy (and, with `--each-arm`, feather with each
 bandit arm fixed) x cascade setting: generation requests and tokens per second, the ratio to
 fcfs with the same cascade setting, the KV the attention read (GB, from the model's bytes per
 token), steps, the mean decode batch, the steps that used cascade, the prefix-cache hit rate
@@ -48,7 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--suffix-len", type=ints, default=32)
     p.add_argument("--output-len", type=ints, default=256)
     p.add_argument("--embed-frac", type=float, default=0.0)
-    p.add_argument("--clients", type=ints, default=64)
+    p.add_argument("--clients", type=ints, default=64, help="closed loop: concurrent requests")
+    p.add_argument("--arrival", default="closed", choices=["closed", "burst"],
+                   help="closed loop, or every request queued at time 0")
     p.add_argument("--control", action="store_true", help="also the no-sharing control")
     p.add_argument("--each-arm", action="store_true", help="feather with each arm fixed")
     p.add_argument("--budget", type=ints, default=2048)
@@ -86,7 +88,7 @@ def table(args) -> list:
                             prompts_per_group=args.prompts_per_group,
                             prefix_len=args.prefix_len, suffix_len=args.suffix_len,
                             gen_output=LengthDist((args.output_len,)),
-                            embed_frac=args.embed_frac, arrival="closed",
+                            embed_frac=args.embed_frac, arrival=args.arrival,
                             clients=args.clients, shared=shared)
         for cascade in (False, True):
             settings = CascadeSettings(args.cascade_rows, 16, args.max_num_seqs) if cascade \
@@ -116,7 +118,8 @@ def main(argv=None) -> list:
     rows = table(args)
     print(f"cost model {args.cost} / {args.model}; {args.prompts_per_group} requests per group, "
           f"prefix {args.prefix_len} + suffix {args.suffix_len} tokens, {args.output_len} "
-          f"outputs, {args.clients} closed-loop clients, scheduler {args.policy}")
+          f"outputs, {args.clients if args.arrival == 'closed' else 'all'} at once "
+          f"({args.arrival}), scheduler {args.policy}")
     print(format_table(rows, COLUMNS))
     if args.json:
         write_json(args.json, dict(config=vars(args), rows=rows), indent=1)
