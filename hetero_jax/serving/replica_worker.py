@@ -1,0 +1,108 @@
+"""A replica's process (`worker`) and the parent's thread that reads it (`reader`).
+
+The protocol is `serving.replicas`': the worker builds a whole `Engine` pinned to one core,
+then loops: it reads every command waiting on its pipe (blocking only when the engine is
+idle), runs one `Engine.step`, and, when some requests finished, sends `("done", ([(tag,
+output, None)], stats))` for them. Commands: `("add", [(tag, request)])` prepares and
+queues each request (one its checks refuse comes back at once as `(tag, None, (error type,
+message))`), `("abort", [tag])`, `("warmup", None) -> ("warmed", compiles)`, `("close",
+None)`. A step that raises with no request to blame (the engine already failed any culprit
+alone) fails every request of this replica with a RuntimeError naming it, and the worker
+keeps serving. The
+parent's `reader` thread moves each message onto one queue shared by all replicas, and
+`("dead", exit code)` once the pipe closes. Imports no jax (the engine does, in the worker).
+"""
+from __future__ import annotations
+
+import os
+import queue
+import traceback
+
+from hetero_jax.config import EngineConfig
+from hetero_jax.serving.dedicated import EMBED_ROLE, ModelSource
+
+ERRORS = {"ValueError": ValueError, "TypeError": TypeError,
+          "FileNotFoundError": FileNotFoundError}  # errors that cross the pipe as themselves
+
+
+def _describe(e: Exception) -> tuple:
+    return type(e).__name__, str(e), traceback.format_exc()
+
+
+def engine_info(engine) -> dict:
+    """What the parent needs to route, tokenize and count like the engine."""
+    inputs = engine.inputs
+    return dict(config=engine.config, model_cfg=engine.model_cfg,
+                embedding_dim=engine.embedding_dim, encoder=engine.encoder is not None,
+                cache_identity=inputs.cache_identity, adapter_ids=dict(inputs.adapter_ids),
+                adapter_digests=dict(inputs.adapter_digests))
+
+
+def worker(index: int, core: int, spec: ModelSource, config: EngineConfig, conn) -> None:
+    """Replica process: pin to `core`, build a whole engine, serve the pipe (module doc)."""
+    os.sched_setaffinity(0, {core})  # XLA_FLAGS came from the parent (`_child_env`)
+    try:
+        engine = spec.build(EMBED_ROLE, config)  # the embedding role: encoder and adapters too
+    except Exception as e:  # noqa: BLE001 - reported to the parent, which raises it
+        conn.send(("error", _describe(e)))
+        return
+    conn.send(("ready", engine_info(engine)))
+    tags: dict = {}  # engine request id -> the parent's tag, for the requests in flight
+    while True:
+        while conn.poll(0) or not engine.has_work():
+            cmd, arg = conn.recv()
+            if cmd == "close":
+                return
+            reply = _handle(engine, tags, cmd, arg)
+            if reply is not None:
+                conn.send(reply)
+        try:
+            finished = engine.step()
+        except Exception as e:  # noqa: BLE001 - no request to blame: fail this replica's own
+            why = ("RuntimeError", f"replica {index} failed a step: {type(e).__name__}: {e}")
+            results = [(tag, None, why) for tag in tags.values()]
+            for request_id in tags:
+                engine.abort(request_id)
+            tags.clear()
+        else:
+            results = [(tags.pop(r.request_id), engine.output(r), None) for r in finished
+                       if r.request_id in tags]
+        if results:
+            conn.send(("done", (results, engine.stats)))
+
+
+def _handle(engine, tags: dict, cmd: str, arg):
+    """One command between steps -> the reply to send, or None."""
+    if cmd == "add":
+        refused, fresh = [], []
+        for tag, request in arg:
+            try:
+                (req,) = engine.prepare([request])
+            except (ValueError, TypeError) as e:
+                refused.append((tag, None, (type(e).__name__, str(e))))
+                continue
+            tags[req.request_id] = tag
+            fresh.append(req)
+        engine.enqueue(fresh)
+        return ("done", (refused, engine.stats)) if refused else None
+    if cmd == "abort":
+        drop = set(arg)
+        for request_id in [rid for rid, tag in tags.items() if tag in drop]:
+            engine.abort(request_id)
+            del tags[request_id]
+        return None
+    if cmd == "warmup":
+        return "warmed", engine.warmup()
+    raise ValueError(f"unknown command {cmd!r}")
+
+
+def reader(index: int, conn, proc, events: queue.Queue) -> None:
+    """Reader thread: a replica's messages onto the shared queue, then ("dead", exit code)."""
+    while True:
+        try:
+            kind, payload = conn.recv()
+        except (EOFError, OSError):
+            proc.join(timeout=5)
+            events.put((index, "dead", proc.exitcode))
+            return
+        events.put((index, kind, payload))
