@@ -1,22 +1,26 @@
 """`hetero-jax batch INPUT --output OUTPUT`: an offline batch job on one engine.
 
     hetero-jax batch INPUT --output OUTPUT [--errors PATH] [--preset tiny | --model DIR]
-                     [--scheduler ibs] [--token-budget N] [--max-in-flight N] ...
+                     [--replicas N] [--ray [ADDRESS]] [--scheduler ibs] [--token-budget N] ...
 
 In: argv. Every check runs before jax is imported, and each failure is a `parser.error`
 (exit status 2) naming the value: INPUT must be a batch input (`rows.check_input`), OUTPUT
 and ERRORS writable and apart from each other and from INPUT, OUTPUT resumable
 (`OutputJournal.open` locks it, reads the ids it holds and cuts a torn last line). Then
-`make_front` builds the engine and its front (the one place that knows it is one `Engine`),
+`make_front` builds the engine and its front (the one place that knows what serves the rows:
+one `Engine` stepped in this process, or with `--replicas N` a `ReplicaSet` of N engine
+processes, one core each, behind the prefix-affinity router, or with `--ray` N Ray actors
+(`RayReplicaSet`, a local cluster or the one at ADDRESS), both served by `ReplicaFront`),
 `job.run_job` runs every row OUTPUT lacks under a tqdm bar on stderr, and a summary goes to
 stdout. Exit status 0 when the job ran to its end, rows in ERRORS or not (the summary counts
 them); 1 when it stopped early on an error, 130 on Ctrl-C (the rows written are kept: the same
-command resumes). A front over replicas plugs in at `make_front`; nothing else changes.
+command resumes).
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import os
 import sys
 import time
@@ -24,12 +28,13 @@ import time
 from hetero_jax.models.presets import PRESETS
 from hetero_jax.offline.job import EngineFront, Tally, count_to_run, run_job
 from hetero_jax.offline.journal import ErrorLog, OutputError, OutputJournal
+from hetero_jax.offline.replica_front import ReplicaFront
 from hetero_jax.offline.rows import InputError, check_input, read_rows
 from hetero_jax.sched import POLICIES
 from hetero_jax.sim.cli import int_range, output_dir, output_file, output_problem
 
 LIMITS = dict(token_budget=(1, 8192), chunk_size=(1, 8192), max_num_seqs=(1, 1024),
-              max_in_flight=(1, 1_000_000), seed=(0, 2**32 - 1))
+              max_in_flight=(1, 1_000_000), seed=(0, 2**32 - 1), replicas=(1, 1024))
 DEFAULT_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "hetero-jax", "xla")  # bench's
 ERRORS_SUFFIX = ".errors.jsonl"
 
@@ -60,6 +65,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="embedded model (random weights, no download)")
     p.add_argument("--model", type=model_dir, default=None, metavar="DIR",
                    help="local Hugging Face directory (overrides --preset)")
+    p.add_argument("--replicas", type=ints["replicas"], default=1,
+                   help="engines in their own processes, one CPU core each, behind a router "
+                   "(prefix affinity, bounded by load); at most the cores this process may use")
+    p.add_argument("--ray", nargs="?", const="local", default=None, metavar="ADDRESS",
+                   help="run the --replicas as Ray actors: on a local Ray cluster, or on the "
+                   "cluster at ADDRESS (needs the ray extra)")
     p.add_argument("--scheduler", default="ibs", choices=list(POLICIES),
                    help="scheduling policy of the engine")
     p.add_argument("--token-budget", type=ints["token_budget"], default=256,
@@ -69,8 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-seqs", type=ints["max_num_seqs"], default=32,
                    help="sequences per engine step")
     p.add_argument("--max-in-flight", type=ints["max_in_flight"], default=None,
-                   help="requests handed to the engine at a time; a killed run redoes at most "
-                   "these (default: 4 x --max-num-seqs)")
+                   help="requests handed to the engines at a time; a killed run redoes at most "
+                   "these (default: 4 x --max-num-seqs x --replicas)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                    help="weights and activations")
     p.add_argument("--seed", type=ints["seed"], default=0,
@@ -93,6 +104,13 @@ class Plan:
 
 def check(parser: argparse.ArgumentParser, args) -> Plan:
     """Every check before any model work, each failure a parser.error naming the value."""
+    cores = len(os.sched_getaffinity(0))
+    if args.ray is not None and importlib.util.find_spec("ray") is None:
+        parser.error(f"argument --ray: --ray {args.ray} needs ray, which is not installed "
+                     "(pip install 'hetero-jax[ray]')")
+    if args.replicas > cores and args.ray in (None, "local"):
+        parser.error(f"argument --replicas: {args.replicas} replicas need one CPU core each; "
+                     f"this process may use {cores}")
     try:
         check_input(args.input)
     except InputError as e:
@@ -124,21 +142,37 @@ def check(parser: argparse.ArgumentParser, args) -> Plan:
 
 def make_front(args):
     """-> (the front the job runs on, its engine, a line describing it)."""
-    from hetero_jax import Engine, EngineConfig
+    from hetero_jax import EngineConfig, make_engine
 
     cfg = EngineConfig(token_budget=args.token_budget, chunk_size=args.chunk_size,
                        max_num_seqs=args.max_num_seqs, dtype=args.dtype,
                        scheduler=args.scheduler, seed=args.seed)
-    if args.model:
-        engine = Engine.from_pretrained(args.model, config=cfg)
-    else:
-        engine = Engine.from_preset(args.preset, seed=args.seed, config=cfg)
-    in_flight = args.max_in_flight or 4 * cfg.max_num_seqs
-    line = (f"model: {args.model or args.preset} ({engine.model_cfg.num_params / 1e6:.1f}M "
-            f"params, {args.dtype}); scheduler {cfg.scheduler}, budget {cfg.token_budget} "
-            f"tokens, chunk {cfg.chunk_size}, {cfg.max_num_seqs} sequences, {in_flight} "
-            "requests in flight")
-    return EngineFront(engine, in_flight), engine, line
+    in_flight = args.max_in_flight or 4 * cfg.max_num_seqs * args.replicas
+    if args.ray is not None:
+        from hetero_jax.serving.ray_replicas import RayReplicaSet
+
+        address = None if args.ray == "local" else args.ray
+        engine = (RayReplicaSet.from_pretrained(args.model, args.replicas, cfg, address=address)
+                  if args.model else RayReplicaSet.from_preset(args.preset, args.replicas,
+                                                               args.seed, cfg, address=address))
+        where = f"{args.replicas} Ray actors ({engine.router.config.policy} router)"
+        line = _describe(args, engine, cfg, where, in_flight)
+        return ReplicaFront(engine, in_flight), engine, line
+    engine = make_engine(args.model or args.preset, cfg, args.seed, replicas=args.replicas)
+    where = "one engine" if args.replicas == 1 else (
+        f"{args.replicas} replicas (one process and core each, {engine.router.config.policy} "
+        "router)")
+    line = _describe(args, engine, cfg, where, in_flight)
+    if args.replicas == 1:
+        return EngineFront(engine, in_flight), engine, line
+    return ReplicaFront(engine, in_flight), engine, line
+
+
+def _describe(args, engine, cfg, where: str, in_flight: int) -> str:
+    return (f"model: {args.model or args.preset} ({engine.model_cfg.num_params / 1e6:.1f}M "
+            f"params, {args.dtype}) on {where}; scheduler {cfg.scheduler}, budget "
+            f"{cfg.token_budget} tokens, chunk {cfg.chunk_size}, {cfg.max_num_seqs} sequences, "
+            f"{in_flight} requests in flight")
 
 
 def batch_main(argv=None) -> int:
@@ -187,6 +221,8 @@ def _run(parser, args, plan: Plan, start: float) -> int:
         raise
     finally:
         bar.close()
+        if args.replicas > 1 or args.ray is not None:
+            engine.close()  # the replica processes or actors
     print_summary(args, tally, engine.stats, time.perf_counter() - start)
     return 0
 

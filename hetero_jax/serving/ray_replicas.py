@@ -1,0 +1,173 @@
+"""Replicas as Ray actors: `ReplicaSet`'s API over a Ray cluster (the optional `ray` extra).
+
+In: requests through `run` (and `generate`/`embed`) or `submit`/`collect`/`abort` (what the
+batch job's `ReplicaFront` drives). Out: what `ReplicaSet` gives: one engine's outputs,
+numbered and seeded as one engine would, in input order.
+
+Each replica is an `EngineActor` (one whole `Engine`, `num_cpus=1` and `num_gpus` per
+replica, one XLA thread on a CPU through the actor's `runtime_env`) built from the same
+`ModelSource`. The driver routes every request with `placement.Placement` (the router, the
+loads, the engine's page digests), then sends each replica its share of a `submit` as one
+actor call, `EngineActor.serve([(tag, request)])`, which prepares each request (a refused
+one comes back as its error), steps the engine until all of them finished and returns
+`([(tag, output, error)], stats)`. Calls to one actor run in order; `collect` waits on the
+calls in flight (`ray.wait`). A call whose actor died (`RayActorError`) fails its requests
+with a RuntimeError naming the replica; the router sends nothing more there; the others go
+on. `abort` drops a request's result (its call still runs to its end). `ray.init(address)`
+joins a cluster, or with no address starts a local one; an address that cannot be reached
+is a ValueError naming it. Imports no jax (the actors do).
+"""
+from __future__ import annotations
+
+import os
+
+from hetero_jax.config import EngineConfig
+from hetero_jax.models.presets import preset_config
+from hetero_jax.sched.router import RouterConfig
+from hetero_jax.serving.dedicated import EMBED_ROLE, ModelSource, _one_thread_flags
+from hetero_jax.serving.placement import router_policy
+from hetero_jax.serving.replica_worker import engine_info
+from hetero_jax.serving.routed import RoutedReplicas
+
+
+def require_ray():
+    """The `ray` module, or a ValueError that says how to install it."""
+    try:
+        import ray
+    except ImportError:
+        raise ValueError("--ray / RayReplicaSet needs ray, which is not installed: pip install "
+                         "'hetero-jax[ray]'") from None
+    return ray
+
+
+class EngineActor:
+    """One engine in a Ray worker (made a Ray actor class by `RayReplicaSet`)."""
+
+    def __init__(self, spec: ModelSource, config: EngineConfig):
+        self.engine = spec.build(EMBED_ROLE, config)  # the embedding role: the whole engine
+
+    def info(self) -> dict:
+        return engine_info(self.engine)
+
+    def serve(self, items: list) -> tuple:
+        """[(tag, request)] -> ([(tag, output or None, error or None)], stats), every tag
+        once: refused at once, the rest when the engine finished them."""
+        engine, tags, results, fresh = self.engine, {}, [], []
+        for tag, request in items:
+            try:
+                (req,) = engine.prepare([request])
+            except (ValueError, TypeError) as e:
+                results.append((tag, None, (type(e).__name__, str(e))))
+                continue
+            tags[req.request_id] = tag
+            fresh.append(req)
+        engine.enqueue(fresh)
+        try:
+            while engine.has_work():
+                results += [(tags.pop(r.request_id), engine.output(r), None)
+                            for r in engine.step()]
+        except Exception as e:  # noqa: BLE001 - no request to blame: fail this call's own
+            why = ("RuntimeError", f"a replica failed a step: {type(e).__name__}: {e}")
+            for request_id, tag in tags.items():
+                engine.abort(request_id)
+                results.append((tag, None, why))
+        return results, engine.stats
+
+
+class RayReplicaSet(RoutedReplicas):
+    """`num_replicas` engines as Ray actors behind a `Router` (module docstring)."""
+
+    def __init__(self, spec: ModelSource, num_replicas: int, config: EngineConfig | None = None,
+                 router: RouterConfig | str | None = None, address: str | None = None,
+                 num_gpus: float = 0):
+        """`address`: a Ray cluster to join (None: start a local one, or use the one this
+        process already started); `num_gpus`: per replica."""
+        ray = self._ray = require_ray()
+        config = config or EngineConfig()
+        if isinstance(num_replicas, bool) or not isinstance(num_replicas, int) or \
+                num_replicas < 1:
+            raise ValueError(f"replicas={num_replicas!r} must be an integer >= 1")
+        router_policy(router, config)
+        self.actors, self._owns_ray = [], not ray.is_initialized()
+        if self._owns_ray:
+            try:
+                ray.init(address=address, include_dashboard=False, log_to_driver=False)
+            except (ConnectionError, ValueError, RuntimeError) as e:
+                raise ValueError(f"cannot reach the Ray cluster at {address!r}: {e}") from None
+        cpus = ray.cluster_resources().get("CPU", 0)
+        if num_replicas > cpus:
+            self.close()
+            raise ValueError(f"replicas={num_replicas} needs one CPU each; the Ray cluster "
+                             f"has {cpus:g}")
+        env = {"env_vars": {"XLA_FLAGS": _one_thread_flags(os.environ.get("XLA_FLAGS", ""))}} \
+            if not num_gpus else None
+        actor = ray.remote(num_cpus=1, num_gpus=num_gpus)(EngineActor)
+        self.actors = [actor.options(runtime_env=env).remote(spec, config)
+                       for _ in range(num_replicas)]
+        try:
+            infos = ray.get([a.info.remote() for a in self.actors])
+        except ray.exceptions.RayError as e:
+            self.close()
+            raise RuntimeError(f"a replica could not build its engine: {e}") from None
+        self._calls: dict = {}  # ObjectRef of a `serve` call -> (replica, its tags)
+        self._setup(spec, infos[0], num_replicas, router)
+
+    @classmethod
+    def from_preset(cls, name: str, num_replicas: int, seed: int = 0,
+                    config: EngineConfig | None = None, **kw) -> "RayReplicaSet":
+        preset_config(name)  # an unknown name fails here, before Ray starts
+        return cls(ModelSource(preset=name, seed=seed), num_replicas, config, **kw)
+
+    @classmethod
+    def from_pretrained(cls, path: str, num_replicas: int, config: EngineConfig | None = None,
+                        **kw) -> "RayReplicaSet":
+        if not os.path.isdir(path):
+            raise FileNotFoundError(f"model directory {path!r} does not exist")
+        return cls(ModelSource(path=path), num_replicas, config, **kw)
+
+    def close(self) -> None:
+        """End the actors (and the local Ray cluster this set started)."""
+        for actor in self.actors:
+            self._ray.kill(actor)
+        self.actors = []
+        if self._owns_ray and self._ray.is_initialized():
+            self._ray.shutdown()
+
+    def __enter__(self) -> "RayReplicaSet":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def collect(self, timeout: float | None = None) -> list:
+        """(tag, output or the error that refused it) of every call that finished, waiting
+        up to `timeout` seconds for the first; [] if none did."""
+        ray = self._ray
+        if not self._calls:
+            return []
+        ready, _ = ray.wait(list(self._calls), num_returns=1, timeout=timeout)
+        if ready:
+            ready, _ = ray.wait(list(self._calls), num_returns=len(self._calls), timeout=0)
+        out = []
+        for ref in ready:
+            replica, tags = self._calls.pop(ref)
+            try:
+                results, stats = ray.get(ref)
+            except ray.exceptions.RayActorError as e:
+                with self._lock:
+                    out += self._fail(replica, tags, lambda n: f"replica {replica} (a Ray "
+                                      f"actor) died ({type(e).__name__}); its {n} requests "
+                                      "in flight failed")
+                continue
+            with self._lock:
+                self.replica_stats[replica] = stats
+                out += [x for x in map(self._finish, results) if x is not None]
+        return out
+
+    def _dispatch(self, batches: dict) -> None:
+        for replica, items in batches.items():
+            ref = self.actors[replica].serve.remote(items)
+            self._calls[ref] = (replica, [tag for tag, _ in items])
+
+    def _drop(self, batches: dict) -> None:
+        """Nothing to tell: a call runs to its end, and its dropped results are ignored."""
