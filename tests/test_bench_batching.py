@@ -49,7 +49,8 @@ def test_quick_shared_prefix_run_puts_every_batching_policy_side_by_side(tmp_pat
                  "--groups", "2", "--prompts-per-group", "4", "--prefix-len", "48",
                  "--suffix-len", "4", "--output-len", "4", "--ratios", "0:1",
                  "--schedulers", "ibs", "--batching", "fcfs,lpm,feather,feather-bandit,each-arm",
-                 "--arms", "0:2,any:max", "--cascade", "on,off", "--compile-cache", "none",
+                 "--arms", "0:2,any:max", "--cascade", "on,off",
+                 "--compile-cache", str(tmp_path / "xla"),
                  "--no-progress", "--json", str(out)]) == 0
     rows = {r["scheduler"]: r for r in json.loads(out.read_text())["results"]}
     names = {f"ibs+{b}{c}" for b in ("fcfs", "lpm", "feather", "feather-bandit",
