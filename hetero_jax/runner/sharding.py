@@ -1,0 +1,153 @@
+"""Tensor parallelism: the decoder's Megatron layout over a one-axis device mesh.
+
+In: a model config, the params pytree (stacked or `split_layers`), the tensor-parallel
+degree N and the devices. Out: a `ShardedDecoderRunner`, the `DecoderRunner` whose params,
+KV cache and jitted step are laid out on the mesh `("tp",)` of N devices, with explicit
+in/out shardings and the sharded state donated; the batch and the packed output are
+replicated, so the scheduler, the sampler, the pooler and the one device->host copy do not
+change. XLA's SPMD partitioner inserts the collectives: one all-reduce after `wo` and one
+after `w_down` per layer, and one all-gather of the LM head's vocabulary shards.
+
+The layout is `PARTITION_RULES`, an ordered table of regex -> `PartitionSpec` over a leaf's
+path (`layers/0/wq`, or stacked `layers/wq`, whose leading layer axis is never split);
+the first match wins and the last rule replicates the rest. q/k/v and gate/up are split by
+heads and hidden units (their output), o and down on their input, the embedding and LM head
+by vocabulary (replicated when N does not divide it), the KV pages by KV head. When N
+exceeds the KV heads, each KV head is repeated N / Hkv times first (`expand_kv_heads`), so
+every shard holds the KV heads its query heads read. The attention is the XLA one (the
+Pallas kernel per shard needs `shard_map`, not built). The runner builds the state on the
+default device, then places it: checkpoint shards are not yet loaded straight onto their
+devices.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from hetero_jax.config import EngineConfig
+from hetero_jax.models.config import ModelConfig
+from hetero_jax.models.llama import KVCache
+from hetero_jax.runner.batch import batch_spec
+from hetero_jax.runner.decoder import DecoderRunner, DeviceState, step
+
+AXIS = "tp"
+PARTITION_RULES = (  # (regex over the leaf path, spec of the leaf without its layer axis)
+    (r"^embed$", P(AXIS, None)),  # [V, d]: by vocabulary
+    (r"^lm_head$", P(None, AXIS)),  # [d, V]
+    (r"(^|/)(wq|wk|wv|w_gate|w_up)$", P(None, AXIS)),  # [d, out]: by heads / hidden units
+    (r"(^|/)(bq|bk|bv)$", P(AXIS)),  # [out]
+    (r"(^|/)(wo|w_down)$", P(AXIS, None)),  # [in, d]: on the input
+    (r"(^|/)lora_b_(wq|wk|wv|w_gate|w_up)$", P(None, None, AXIS)),  # [A, r, out]
+    (r"(^|/)lora_a_(wo|w_down)$", P(None, AXIS, None)),  # [A, in, r]
+    (r".*", P()),  # norms, the other LoRA halves: replicated
+)
+VOCAB_LEAVES = ("embed", "lm_head")  # replicated when N does not divide the vocabulary
+KV_SPEC = P(None, None, None, AXIS, None)  # [L, P, page_size, Hkv, D]: by KV head
+
+
+def check_tensor_parallel(cfg: ModelConfig, n: int, num_devices: int) -> None:
+    """ValueError naming the value when `n` cannot split this model over these devices."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"tensor_parallel={n!r} must be an integer >= 1")
+    if n > num_devices:
+        raise ValueError(f"tensor_parallel={n} exceeds the {num_devices} "
+                         f"{jax.default_backend()} devices")
+    if cfg.num_heads % n:
+        raise ValueError(f"tensor_parallel={n} does not divide num_heads={cfg.num_heads}")
+    kv = cfg.num_kv_heads
+    if kv % n and n % kv:
+        raise ValueError(f"tensor_parallel={n} neither divides num_kv_heads={kv} nor is a "
+                         "multiple of it (to replicate the KV heads)")
+    if cfg.intermediate_size % n:
+        raise ValueError(f"tensor_parallel={n} does not divide intermediate_size="
+                         f"{cfg.intermediate_size}")
+
+
+def expand_kv_heads(cfg: ModelConfig, params, n: int) -> tuple:
+    """(cfg, params) with each KV head repeated n / Hkv times when n > Hkv: the model
+    computes the same, and every one of n shards holds whole KV heads."""
+    if n <= cfg.num_kv_heads:
+        return cfg, params
+    reps, d = n // cfg.num_kv_heads, cfg.head_dim
+
+    def repeat(path, x):
+        name = _path(path).rsplit("/", 1)[-1]
+        if name not in ("wk", "wv", "bk", "bv", "lora_b_wk", "lora_b_wv"):
+            return x
+        heads = x.reshape(*x.shape[:-1], x.shape[-1] // d, d)  # [..., Hkv, D]
+        return jnp.repeat(heads, reps, axis=-2).reshape(*x.shape[:-1], -1)
+
+    params = dict(params, layers=jax.tree_util.tree_map_with_path(
+        lambda p, x: repeat(p, x), params["layers"]))
+    return dataclasses.replace(cfg, num_kv_heads=cfg.num_kv_heads * reps), params
+
+
+def _path(path) -> str:
+    return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+
+
+def leaf_spec(path: str, shape: tuple, n: int) -> P:
+    """The `PartitionSpec` of one leaf: the first rule whose regex matches its path, with
+    None prepended for a stacked leaf's layer axis."""
+    spec = next(s for pattern, s in PARTITION_RULES if re.search(pattern, path))
+    if path.startswith("layers/") and not path.split("/")[1].isdigit() and spec:
+        spec = P(None, *spec)  # stacked: [L, ...]
+    for dim, axis in zip(shape, spec):
+        if axis is not None and dim % n:
+            if path in VOCAB_LEAVES:
+                return P()
+            raise ValueError(f"tensor_parallel={n} does not divide {path} {shape}")
+    return spec
+
+
+def param_shardings(mesh: Mesh, params):
+    """A `NamedSharding` per leaf of the params pytree, by `PARTITION_RULES`."""
+    n = mesh.shape[AXIS]
+    return jax.tree_util.tree_map_with_path(
+        lambda p, x: NamedSharding(mesh, leaf_spec(_path(p), x.shape, n)), params)
+
+
+def state_shardings(mesh: Mesh, state: DeviceState) -> DeviceState:
+    """KV pages by KV head; the pooler's state and page sidecars replicated."""
+    replicated = NamedSharding(mesh, P())
+    kv = NamedSharding(mesh, KV_SPEC)
+    return DeviceState(KVCache(kv, kv), jax.tree.map(lambda _: replicated, state.pool),
+                       None if state.sidecar is None else
+                       jax.tree.map(lambda _: replicated, state.sidecar))
+
+
+class ShardedDecoderRunner(DecoderRunner):
+    """`DecoderRunner` on a `("tp",)` mesh of the first `tensor_parallel` devices."""
+
+    def __init__(self, model_cfg: ModelConfig, cfg: EngineConfig, params, tensor_parallel: int,
+                 devices: list | None = None):
+        devices = jax.devices() if devices is None else devices
+        check_tensor_parallel(model_cfg, tensor_parallel, len(devices))
+        if cfg.attention_impl == "pallas":
+            raise ValueError("tensor_parallel with attention_impl='pallas' needs the kernel per "
+                             "shard (shard_map), which is not built; use 'xla' or 'auto'")
+        model_cfg, params = expand_kv_heads(model_cfg, params, tensor_parallel)
+        super().__init__(model_cfg, dataclasses.replace(cfg, attention_impl="xla"), params)
+        self.mesh = Mesh(np.array(devices[:tensor_parallel]), (AXIS,))
+        self.param_sharding = param_shardings(self.mesh, self.params)
+        self.state_sharding = state_shardings(self.mesh, self.state)
+        self.params = jax.device_put(self.params, self.param_sharding)
+        self.state = jax.device_put(self.state, self.state_sharding)
+
+    def _compile(self, key: tuple):
+        replicated = NamedSharding(self.mesh, P())
+        fn = jax.jit(functools.partial(
+            step, model_cfg=self.model_cfg, layout=self.layout(key),
+            max_q_len=min(self.cfg.chunk_size, key[0]), impl=self.impl,
+            interpret=self.interpret, page_size=self.cfg.page_size,
+            head=self.cfg.buffered_head),
+            in_shardings=(self.param_sharding, self.state_sharding, replicated),
+            out_shardings=(self.state_sharding, replicated), donate_argnums=(1,))
+        return fn.lower(self.params, self.state, batch_spec(self.cfg, *key)).compile()
