@@ -46,6 +46,7 @@ def test_bad_degrees_name_the_value():
         leaf_spec("layers/0/w_up", (64, 97), 2)
 
 
+@pytest.mark.slow  # a subprocess that imports torch and compiles twice: about 25 s
 def test_tp2_on_two_host_devices_equals_tp1(hf_model):
     path, _ = hf_model("llama3")  # 4 query heads, 1 KV head
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
