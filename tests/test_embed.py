@@ -71,6 +71,7 @@ def test_poolers_equal_transformers_last_hidden_state(hf_model):
         assert cos(got, w) > 0.99999, p
 
 
+@pytest.mark.slow  # ~30 s: every variant; tests/test_generate.py keeps the default-suite one
 def test_zero_compiles_after_warmup_with_embeddings():
     engine = Engine.from_preset("tiny", config=config(16))
     n = engine.warmup()

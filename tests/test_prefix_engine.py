@@ -87,7 +87,8 @@ def test_a_preemption_storm_changes_nothing():
         assert_same_generation(a, b)
 
 
-@pytest.mark.parametrize("chunk_size", [8, 32, 16])  # 16: the page size
+@pytest.mark.parametrize("chunk_size", [pytest.param(8, marks=pytest.mark.slow),
+                                        pytest.param(32, marks=pytest.mark.slow), 16])  # 16: page
 def test_embeddings_from_the_cache_equal_the_uncached_ones(chunk_size):
     engines = engine_pair(chunk_size=chunk_size, page_size=16)
     writers = [EmbedRequest(PREFIX + suffix(7), PoolingParams("mean")),
