@@ -3,7 +3,7 @@
 Builds one step of N decode sequences whose page tables start with the same `--prefix` tokens
 of pages (as prefix-cache hits leave them) followed by `--suffix` tokens of their own, on
 shuffled pages, and times `ragged_paged_attention` plain and with the cascade plan of
-`ops.cascade.plan_tiles` at each `--rows` (sequences per tile), medians of `--repeats` runs of
+`sched.tiles.plan_tiles` at each `--rows` (sequences per tile), medians of `--repeats` runs of
 `--iters` calls, in one process. Reports the speed-up, the K/V bytes each variant must read
 (plain: every sequence's whole context; cascade: each tile's shared pages once plus every
 sequence's own pages) and the bytes per second that implies, and the largest difference from
@@ -23,7 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from hetero_jax.ops import ragged_paged_attention
-from hetero_jax.ops.cascade import cascade_arrays, plan_tiles
+from hetero_jax.ops.cascade import cascade_arrays
+from hetero_jax.sched.tiles import plan_tiles
 from hetero_jax.sim.report import format_table
 
 COLUMNS = [("variant", "variant", "{}"), ("ms", "ms", "{:.2f}"), ("speed-up", "speedup", "{:.2f}"),

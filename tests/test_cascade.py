@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 
 from hetero_jax.ops import ragged_paged_attention, ragged_paged_attention_reference
-from hetero_jax.ops.cascade import cascade_arrays, plan_tiles
+from hetero_jax.ops.cascade import cascade_arrays
+from hetero_jax.sched.tiles import plan_tiles
 from tests.batches import shared_prefix_batch
 from tests.script_loader import load_script
 

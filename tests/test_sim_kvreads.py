@@ -1,9 +1,8 @@
 """The simulator charges attention by the KV it reads: cascade tiles read shared pages once
-(hand-computed, and equal to `ops.cascade.plan_tiles` on random page tables), a shared-prefix
+(hand-computed; the simulator and the engine share `sched.tiles.plan_tiles`), a shared-prefix
 run reads less with cascade than without and the no-sharing control the same, every batching
 policy runs in the simulator, and none of it imports jax."""
 import dataclasses
-import random
 import subprocess
 import sys
 
@@ -34,21 +33,6 @@ def test_a_tile_reads_its_shared_pages_once():
     mixed = items[:3] + [decode(9, [50], 3, kind=PREFILL)]  # not decode-only: plain attention
     assert kv_pages_saved(mixed, 16, cascade) == 0
     assert CascadeSettings(rows=8, max_num_seqs=32).tiles(9) == (2, 8)  # S = 16
-
-
-def test_savings_equal_the_engines_tile_plan():
-    cascade = pytest.importorskip("hetero_jax.ops.cascade")
-    rng = random.Random(0)
-    for _ in range(300):
-        prefixes = [[rng.randrange(1, 50) for _ in range(rng.randint(0, 6))] for _ in range(3)]
-        n = rng.randint(1, 12)
-        tables = [rng.choice(prefixes)[:rng.randint(0, 6)] + [100 + i, 200 + i]
-                  for i in range(n)]
-        lens = [rng.randint(1, 4 * len(t)) for t in tables]
-        tiles, rows, least = rng.randint(1, 3), rng.randint(1, 4), rng.randint(0, 4)
-        plan = cascade.plan_tiles(tables, lens, 4, tiles, rows, least)
-        want = 0 if plan is None else sum((len(m) - 1) * k for m, k in plan[0])
-        assert plan_savings(tables, lens, 4, tiles, rows, least) == want
 
 
 def shared_prefix(shared=True, groups=4):

@@ -8,8 +8,9 @@ rows against the shared keys, read once for the tile), every sequence attends to
 remaining pages separately, and the two softmax parts are merged by their log-sum-exp. The
 result equals plain attention over the whole page table up to float reduction order.
 
-Host side: `plan_tiles(page_tables, kv_lens, page_size, ...)` (numpy, no device) picks the
-tiles from the page tables, or returns None when too little would be saved. Device side:
+Host side: `sched.tiles.plan_tiles(page_tables, kv_lens, page_size, ...)` (plain Python, no
+jax, shared with the simulator) picks the tiles from the page tables, or returns None when too
+little would be saved; `cascade_arrays` lays a plan out as numpy arrays. Device side:
 `CascadeMeta` (the plan as arrays of static shapes) and `attend_decode_cascade`, the XLA
 version used by `attention.ragged_paged_attention(..., cascade=meta)`.
 
@@ -40,49 +41,6 @@ def cascade_spec(num_tiles: int, rows: int, shared_pages: int, num_seqs: int,
     i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
     return CascadeMeta(i32(num_tiles, rows), i32(num_tiles, shared_pages), i32(num_tiles),
                        i32(num_seqs, rest_pages), i32(num_seqs))
-
-
-def _common_pages(tables: list) -> int:
-    """Length of the longest common prefix of page lists."""
-    n = min(len(t) for t in tables)
-    first = tables[0]
-    for i in range(n):
-        if any(t[i] != first[i] for t in tables[1:]):
-            return i
-    return n
-
-
-def plan_tiles(page_tables: list, kv_lens: list, page_size: int, num_tiles: int, rows: int,
-               min_saved_pages: int) -> tuple | None:
-    """Tiles for decode sequences with page tables `page_tables` ([Sd] lists) and `kv_lens`.
-
-    Sequences are sorted by their page tables, so those with long common prefixes sit side by
-    side, then cut into runs of at most `rows` that share their first page; a run's shared
-    pages are its common prefix, capped so that each sequence keeps its last token's page.
-    The `num_tiles` runs that save most page reads ((members - 1) x shared pages) are kept.
-    Returns ([(members, shared_pages)], rest_offsets [Sd]) or None when the kept tiles save
-    fewer than `min_saved_pages` page reads.
-    """
-    full = [[int(p) for p in t[:(n - 1) // page_size]] for t, n in zip(page_tables, kv_lens)]
-    order = sorted((i for i in range(len(full)) if full[i]), key=lambda i: full[i])
-    runs, i = [], 0
-    while i < len(order):
-        run = [order[i]]
-        while (len(run) < rows and i + len(run) < len(order)
-               and full[order[i + len(run)]][0] == full[run[0]][0]):
-            run.append(order[i + len(run)])
-        i += len(run)
-        if len(run) > 1:
-            runs.append((run, _common_pages([full[j] for j in run])))
-    runs.sort(key=lambda r: (len(r[0]) - 1) * r[1], reverse=True)
-    tiles = runs[:num_tiles]
-    if sum((len(m) - 1) * n for m, n in tiles) < min_saved_pages:
-        return None
-    offsets = [0] * len(full)
-    for members, n in tiles:
-        for j in members:
-            offsets[j] = n
-    return tiles, offsets
 
 
 def cascade_arrays(page_tables: list, kv_lens: list, page_size: int, plan: tuple,

@@ -18,10 +18,11 @@ import numpy as np
 
 from hetero_jax.config import EngineConfig, pad_to_bucket
 from hetero_jax.models import llama
-from hetero_jax.ops.cascade import cascade_arrays, cascade_spec, plan_tiles
+from hetero_jax.ops.cascade import cascade_arrays, cascade_spec
 from hetero_jax.runner import pooler
 from hetero_jax.runner.sampler import SamplingKnobs
 from hetero_jax.sched import DECODE, EMBED
+from hetero_jax.sched.tiles import plan_tiles
 
 
 @flax.struct.dataclass
@@ -57,7 +58,7 @@ def batch_spec(cfg: EngineConfig, t: int, s: int, sc: int, p: int, shared: int) 
 
 
 def _cascade_plan(items: list, cfg: EngineConfig, s: int) -> tuple | None:
-    """`ops.cascade.plan_tiles` for a decode-only step, or None (plain attention)."""
+    """`sched.tiles.plan_tiles` for a decode-only step, or None (plain attention)."""
     if not cfg.cascade_rows or any(it.kind != DECODE for it in items) or len(items) < 2:
         return None
     return plan_tiles([it.pages for it in items], [it.start + 1 for it in items], cfg.page_size,

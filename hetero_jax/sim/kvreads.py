@@ -5,16 +5,15 @@ settings. Out: the pages of KV the attention reads. Without cascade every sequen
 every page of its context. With cascade (`ops/cascade.py`: decode-only steps, at least two
 sequences) the engine cuts the decode sequences into at most G tiles of at most M rows that
 share leading pages, and each tile reads its shared pages once; it does so only when the tiles
-save at least `min_saved_pages` page reads. `plan_savings` follows `ops.cascade.plan_tiles`
-step by step (sort the page tables, cut runs of up to M that share their first page, keep the
-G runs that save most), which cannot be imported here because that module imports jax;
-tests/test_sim_kvreads.py checks the two agree on random page tables.
+save at least `min_saved_pages` page reads. `plan_savings` counts them from the engine's own
+planner, `sched.tiles.plan_tiles` (jax-free).
 """
 from __future__ import annotations
 
 import dataclasses
 
 from hetero_jax.sched.output import DECODE
+from hetero_jax.sched.tiles import plan_tiles
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,32 +35,12 @@ class CascadeSettings:
         return s // rows, rows
 
 
-def _common_pages(tables: list) -> int:
-    n = min(len(t) for t in tables)
-    first = tables[0]
-    for i in range(n):
-        if any(t[i] != first[i] for t in tables[1:]):
-            return i
-    return n
-
-
 def plan_savings(page_tables: list, kv_lens: list, page_size: int, num_tiles: int, rows: int,
                  min_saved_pages: int) -> int:
-    """Page reads the cascade tiles save ((members - 1) x shared pages, summed over the kept
-    tiles), or 0 when that is under `min_saved_pages` (the engine then runs plain attention)."""
-    full = [list(t[:(n - 1) // page_size]) for t, n in zip(page_tables, kv_lens)]
-    order = sorted((i for i in range(len(full)) if full[i]), key=lambda i: full[i])
-    runs, i = [], 0
-    while i < len(order):
-        run = [order[i]]
-        while (len(run) < rows and i + len(run) < len(order)
-               and full[order[i + len(run)]][0] == full[run[0]][0]):
-            run.append(order[i + len(run)])
-        i += len(run)
-        if len(run) > 1:
-            runs.append((len(run) - 1) * _common_pages([full[j] for j in run]))
-    saved = sum(sorted(runs, reverse=True)[:num_tiles])
-    return saved if saved >= min_saved_pages else 0
+    """Page reads the cascade tiles of `sched.tiles.plan_tiles` save ((members - 1) x shared
+    pages, summed over the kept tiles), or 0 when the engine would run plain attention."""
+    plan = plan_tiles(page_tables, kv_lens, page_size, num_tiles, rows, min_saved_pages)
+    return 0 if plan is None else sum((len(m) - 1) * n for m, n in plan[0])
 
 
 def kv_pages_saved(items: list, page_size: int, cascade: CascadeSettings | None) -> int:
