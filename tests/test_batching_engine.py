@@ -2,14 +2,19 @@
 fcfs's greedy tokens (and log-probs, fp32 1e-5) and embeddings, for groups of prompts sharing
 prefixes mixed with embeddings under IBS; `engine.stats.batching` reports the bandit's arm."""
 import dataclasses
+import json
 
 import numpy as np
 
 from hetero_jax import EmbedRequest, Engine, EngineConfig, GenerateRequest, SamplingParams
+from hetero_jax.outputs import EngineStats
 from hetero_jax.sched import BATCHING, FeatherConfig, Scheduler
 
 RNG = np.random.default_rng(11)
 GREEDY = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, logprobs=1)
+# the keys `EngineStats.batching` documents for feather-bandit
+BANDIT_KEYS = {"batching", "arm", "floor", "rounds", "plays", "mean_reward", "best_arm",
+               "best_mean_reward"}
 
 
 def requests():
@@ -33,6 +38,10 @@ def test_every_batching_policy_gives_the_tokens_and_embeddings_of_fcfs():
                                              window=4, round_steps=2))
     engine = Engine.from_preset("tiny", config=cfg)
     assert engine.scheduler.batching.name == "feather-bandit"
+    assert "batching" in {f.name for f in dataclasses.fields(EngineStats)}  # a declared field
+    fresh = engine.stats.batching  # before any step: the first arm, nothing played yet
+    assert set(fresh) == BANDIT_KEYS and fresh["rounds"] == fresh["plays"] == 0, fresh
+    assert fresh["mean_reward"] is None and fresh["arm"] == "loss<=0,cap=4", fresh
     reqs = requests()
     outs = {}
     for name in ("fcfs",) + tuple(b for b in BATCHING if b != "fcfs"):
@@ -41,7 +50,9 @@ def test_every_batching_policy_gives_the_tokens_and_embeddings_of_fcfs():
         outs[name] = engine.run(reqs, use_tqdm=False)
         assert engine.stats.batching["batching"] == name
     stats = engine.stats.batching
+    assert set(stats) == BANDIT_KEYS and json.loads(json.dumps(stats)) == stats  # plain data
     assert stats["arm"] in ("loss<=0,cap=4", "loss<=any,cap=max") and stats["rounds"] >= 1
+    assert stats["best_arm"] in ("loss<=0,cap=4", "loss<=any,cap=max"), stats
     assert stats["best_mean_reward"] > 0  # decode tokens per second of its rounds
     def order(outs):  # generation requests by the time of their first token
         gens = [i for i, o in enumerate(outs) if hasattr(o, "token_ids")]

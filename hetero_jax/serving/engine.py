@@ -78,8 +78,7 @@ class Engine(BatchAPI):
             model_cfg, c, tokenizer, embedding, adapter_ids,
             cache_identity=_cache_identity(model_cfg, c) if c.prefix_caching else None,
             adapter_digests={adapter_ids[n]: _adapter_digest(a) for n, a in (adapters or {}).items()})
-        self.stats = EngineStats()
-        self.stats.batching = self.scheduler.batching.stats()  # the arm and its mean reward
+        self.stats = EngineStats(batching=self.scheduler.batching.stats())
         self._ids = itertools.count()  # request ids; next() is atomic across threads
         self._lock = threading.RLock()  # one step (or one `run`) at a time
 
