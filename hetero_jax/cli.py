@@ -20,7 +20,8 @@ import os
 import sys
 
 from hetero_jax.models.presets import PRESETS
-from hetero_jax.sim.cli import int_range, output_file, real_range, sim_main, write_json
+from hetero_jax.sim.cli import sim_main
+from hetero_jax.sim.options import int_range, output_file, real_range, write_json
 
 
 # generate's integer flags: (lo, hi); the upper limits are the bench's

@@ -309,7 +309,32 @@ def test_sim_cli_runs_the_cache_on_and_off_side_by_side(tmp_path, capsys):
     assert data["results"]["ibs/no-cache"]["cache_hit_rate"] is None
 
 
+def test_sim_cli_runs_batching_policies_side_by_side(tmp_path):
+    """`--batching` gives a row per policy x batching policy, each with its own scheduler's
+    batching (the bandit's stats in the row), on the same trace."""
+    path = tmp_path / "b.json"
+    results = sim_main(["--workload", "shared-prefix", "--groups", "4", "--prompts-per-group",
+                        "8", "--prefix-len", "128", "--suffix-len", "16", "--gen-output", "16",
+                        "--embed-frac", "0", "--arrival", "closed", "--clients", "16",
+                        "--policy", "ibs,fcfs", "--batching", "fcfs,feather-bandit,fcfs",
+                        "--json", str(path)])
+    assert list(results) == ["ibs+fcfs", "ibs+feather-bandit", "fcfs+fcfs",
+                             "fcfs+feather-bandit"]
+    assert results["ibs+fcfs"].batching == {"batching": "fcfs"}
+    bandit = results["ibs+feather-bandit"].batching
+    assert bandit["batching"] == "feather-bandit" and bandit["rounds"] >= 1, bandit
+    for r in results.values():  # every row served the whole trace
+        assert r.per_type["generate"]["completed"] == 32
+    data = json.loads(path.read_text())
+    assert data["config"]["batching"] == ["fcfs", "feather-bandit"]
+    assert data["results"]["ibs+feather-bandit"]["batching"] == bandit
+    assert list(sim_main(["--requests", "20", "--batching", "lpm"])) == ["ibs"]  # one: no suffix
+
+
 @pytest.mark.parametrize("flags, message", [
+    (["--batching", "fcfs,best"], "argument --batching: unknown batching policy 'best'; "
+     "expected a comma-separated subset of fcfs,lpm,feather,feather-bandit"),
+    (["--batching", ","], "argument --batching: unknown batching policy ','"),
     (["--prefix-len", "-1"], "argument --prefix-len: -1 is outside [0, "),
     (["--suffix-len", "0"], "argument --suffix-len: 0 is outside [1, "),
     (["--groups", "-2"], "argument --groups: -2 is outside [1, "),

@@ -33,7 +33,7 @@ from hetero_jax.bench.loop import (DedicatedFront, closed_loop, counters, counte
 from hetero_jax.bench.report import COLUMNS, NOTES, plot_results
 from hetero_jax.bench.workloads import (MixedWorkload, SharedPrefixWorkload,
                                         synthetic_iter_retgen)
-from hetero_jax.sim.cli import write_json
+from hetero_jax.sim.options import write_json
 from hetero_jax.sim.report import format_table
 
 

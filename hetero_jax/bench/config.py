@@ -17,7 +17,8 @@ import os
 from hetero_jax.bench.workloads import MixedWorkload, synthetic_iter_retgen
 from hetero_jax.sched.bandit import DEFAULT_ARMS, make_arms
 from hetero_jax.sched.batching import BATCHING
-from hetero_jax.sim.cli import int_range, output_dir, output_file, real_range
+from hetero_jax.sim.options import int_range, name_list, on_off, output_dir, output_file, \
+    real_range
 
 SCHEDULERS = ("ibs", "fcfs", "homogeneous", "dedicated")
 BATCHINGS = BATCHING + ("each-arm",)  # each-arm: feather with every --arms arm fixed, one row each
@@ -58,25 +59,6 @@ def parse_ratios(text: str) -> list:
     return out
 
 
-def parse_on_off(text: str) -> tuple:
-    """'on,off' -> (True, False)."""
-    values = {"on": True, "off": False}
-    parts = text.split(",")
-    if not parts or any(p not in values for p in parts) or len(set(parts)) != len(parts):
-        raise argparse.ArgumentTypeError(f"bad value {text!r}: expected on, off or on,off")
-    return tuple(values[p] for p in parts)
-
-
-def parse_batching(text: str) -> list:
-    names = [s for s in text.split(",") if s]
-    bad = [s for s in names if s not in BATCHINGS]
-    if bad or not names:
-        raise argparse.ArgumentTypeError(
-            f"unknown batching policy {bad[0] if bad else text!r}; expected a comma-separated "
-            f"subset of {','.join(BATCHINGS)}")
-    return list(dict.fromkeys(names))
-
-
 def parse_arms(text: str) -> tuple:
     """'0:8,2:16,any:max' -> bandit arms ((0, 8), (2, 16), (None, None))."""
     pairs = []
@@ -93,16 +75,6 @@ def parse_arms(text: str) -> tuple:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def parse_schedulers(text: str) -> list:
-    names = [s for s in text.split(",") if s]
-    bad = [s for s in names if s not in SCHEDULERS]
-    if bad or not names:
-        raise argparse.ArgumentTypeError(
-            f"unknown scheduler {bad[0] if bad else text!r}; expected a comma-separated subset "
-            f"of {','.join(SCHEDULERS)}")
-    return list(dict.fromkeys(names))
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hetero-jax bench", description="Every scheduler on the "
                                 "same closed-loop workload, side by side.")
@@ -114,8 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                            "shared-prefix"])
     p.add_argument("--ratios", type=parse_ratios, default="9:1,5:5,1:9",
                    help="embed:gen request ratios (mixed workload)")
-    p.add_argument("--schedulers", type=parse_schedulers, default=",".join(SCHEDULERS))
-    p.add_argument("--batching", type=parse_batching, default="fcfs",
+    p.add_argument("--schedulers", type=name_list(SCHEDULERS, "scheduler"), default=",".join(SCHEDULERS))
+    p.add_argument("--batching", type=name_list(BATCHINGS, "batching policy"), default="fcfs",
                    help="batch-forming policies, each with every scheduler (rows "
                    f"'<scheduler>+<batching>'): {','.join(BATCHINGS)}")
     arms = ",".join(f"{'any' if a.loss_limit is None else a.loss_limit}:"
@@ -125,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
                    f"running requests, any/max for no limit (default {arms})")
     p.add_argument("--chunk-pages", type=int_in("chunk_pages"), default=4,
                    help="feather: KV pages per chunk of the hash tree")
-    p.add_argument("--cascade", type=parse_on_off, default="on",
+    p.add_argument("--cascade", type=on_off, default="on",
                    help="cascade attention on, off or on,off (off rows '<name>/plain')")
     p.add_argument("--clients", type=int_in("clients"), default=16,
                    help="closed-loop clients (concurrent requests or questions)")
@@ -159,7 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--suffix-len", type=int_in("suffix_len"), default=32)
     p.add_argument("--control", action="store_true", help="shared-prefix: also run the same "
                    "lengths with nothing shared")
-    p.add_argument("--prefix-caching", type=parse_on_off, default="on",
+    p.add_argument("--prefix-caching", type=on_off, default="on",
                    help="on, off or on,off (side by side: each scheduler twice)")
     p.add_argument("--token-budget", type=int_in("token_budget"), default=256)
     p.add_argument("--chunk-size", type=int_in("chunk_size"), default=64)

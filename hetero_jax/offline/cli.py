@@ -31,7 +31,7 @@ from hetero_jax.offline.journal import ErrorLog, OutputError, OutputJournal
 from hetero_jax.offline.replica_front import ReplicaFront
 from hetero_jax.offline.rows import InputError, check_input, read_rows
 from hetero_jax.sched import POLICIES
-from hetero_jax.sim.cli import int_range, output_dir, output_file, output_problem
+from hetero_jax.sim.options import int_range, output_dir, output_file, output_problem
 
 LIMITS = dict(token_budget=(1, 8192), chunk_size=(1, 8192), max_num_seqs=(1, 1024),
               max_in_flight=(1, 1_000_000), seed=(0, 2**32 - 1), replicas=(1, 1024))

@@ -19,7 +19,7 @@ import dataclasses
 from hetero_jax.sched import BATCHING, SchedulerConfig
 from hetero_jax.sched.bandit import DEFAULT_ARMS
 from hetero_jax.sched.batching import FeatherConfig
-from hetero_jax.sim.cli import int_range, output_file, write_json
+from hetero_jax.sim.options import int_range, output_file, write_json
 from hetero_jax.sim.costmodel import HARDWARE, MODELS, ModelSpec, load_cost_model
 from hetero_jax.sim.kvreads import CascadeSettings
 from hetero_jax.sim.report import format_table

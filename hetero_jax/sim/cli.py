@@ -6,35 +6,34 @@ In: argv (workload, policies, budget, chunk size, replicas, prefix caching, cost
 `--workload shared-prefix` runs the bench's groups sharing a prefix (`--groups`,
 `--prompts-per-group`, `--prefix-len`, `--suffix-len`; outputs from `--gen-output`, the mix
 from `--embed-frac`), with `--control` also the same lengths with nothing shared;
-`--prefix-caching on,off` runs every policy with the cache on and off; `--router
+`--prefix-caching on,off` runs every policy with the cache on and off; `--batching
+fcfs,lpm,feather,feather-bandit` runs every policy with each batch-forming policy
+(`sched.batching`; rows '<policy>+<batching>' when more than one); `--router
 least-tokens,prefix-affinity` (with `--replicas` >= 2) runs every policy behind each router
 (`sched.router`; prefix affinity remembers each replica's `--num-pages` digests and gives way
 at `--load-ratio` x the least load + `--load-slack` tokens). Every flag is checked
 before any simulation runs: a bad value, a request that can never fit (`--max-model-len`,
 `--num-pages`) or a `--json` path that cannot be written is a `parser.error` (exit status 2)
-naming the flag, the value and the limit. Out: one table row per policy, caching setting and
-workload on stdout (throughput per type, p50/p99 latency and TTFT, average budget fill,
+naming the flag, the value and the limit. Out: one table row per policy, batching policy,
+caching setting and workload on stdout (throughput per type, p50/p99 latency and TTFT, average budget fill,
 embedding share of scheduled tokens, prefix cache hit rate, the requests routed by prefix
 affinity) and, with `--json PATH`, the
 same numbers as JSON: `{"config": {...}, "results": {row name: SimResult}}`. Imports no jax.
 
-The argument types here (`int_range`, `real_range`, `on_off`, `output_file`, `output_dir`) are
-shared by every `hetero-jax` command: this module imports no jax, so `generate` can check its
-flags before jax loads.
+The argument types shared with the other commands live in `sim.options`.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import itertools
-import json
 import math
-import os
-import tempfile
 
-from hetero_jax.sched import EMBED, GENERATE, POLICIES, SchedulerConfig
+from hetero_jax.sched import BATCHING, EMBED, GENERATE, POLICIES, SchedulerConfig
 from hetero_jax.sched.router import ROUTERS, RouterConfig
 from hetero_jax.sim.costmodel import HARDWARE, MODELS, load_cost_model
+from hetero_jax.sim.options import int_range, name_list, on_off, output_file, real_range, \
+    write_json
 from hetero_jax.sim.report import format_table
 from hetero_jax.sim.simulate import SimConfig, simulate
 from hetero_jax.sim.workload import ARRIVALS, ORDERS, WORKLOADS, LengthDist, WorkloadConfig
@@ -46,92 +45,6 @@ LIMITS = dict(budget=(1, 1 << 20), chunk=(1, 1 << 20), max_num_seqs=(1, 100_000)
               prompts_per_group=(1, 1_000_000), prefix_len=(0, 1 << 24), suffix_len=(1, 1 << 24),
               load_slack=(0, 1 << 40))
 LENGTH_SPECS = "128, 96,224, 96:0.55,224:0.45 or 64-256"
-
-
-def int_range(lo: int, hi: int):
-    """An argparse type: an integer in [lo, hi]."""
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-        if not lo <= value <= hi:
-            raise argparse.ArgumentTypeError(f"{value} is outside [{lo}, {hi}]")
-        return value
-    return parse
-
-
-def real_range(lo: float, hi: float = math.inf, open_lo: bool = False):
-    """An argparse type: a number in [lo, hi] ((lo, hi] with `open_lo`; hi=inf: open), not nan."""
-    shown = f"{'(' if open_lo else '['}{lo:g}, {hi:g}{')' if math.isinf(hi) else ']'}"
-
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-        inside = (lo < value if open_lo else lo <= value) and (
-            value < hi if math.isinf(hi) else value <= hi)
-        if not inside:  # nan is never inside
-            raise argparse.ArgumentTypeError(f"{value} is outside {shown}")
-        return value
-    return parse
-
-
-def output_problem(path: str, directory: bool = False) -> str | None:
-    """Why `path` (a file, or with `directory` a directory) could not be written, or None.
-    Missing directories on the way are fine when the nearest existing one can be written (the
-    writer creates them). Leaves nothing behind: an existing file is opened to append and
-    closed unchanged; a directory is probed with a nameless temporary file."""
-    full = os.path.abspath(path)
-    if os.path.exists(full):
-        if os.path.isdir(full) != directory:
-            return f"it is {'not ' if directory else ''}a directory"
-        return _write_problem(full, directory, "it")
-    parent = os.path.dirname(full)
-    while not os.path.lexists(parent):
-        parent = os.path.dirname(parent)
-    if not os.path.isdir(parent):
-        return f"{parent!r} is not a directory"
-    return _write_problem(parent, True, repr(parent))
-
-
-def _write_problem(path: str, directory: bool, name: str) -> str | None:
-    if not (directory or os.path.isfile(path)):  # a device or a pipe: opening it may block
-        return None if os.access(path, os.W_OK) else f"{name} is not writable"
-    try:
-        if directory:
-            with tempfile.TemporaryFile(dir=path):
-                pass
-        else:
-            with open(path, "ab"):
-                pass
-    except OSError as e:
-        return f"{name} is not writable ({e.strerror or e})"
-    return None
-
-
-def output_file(text: str) -> str:
-    """An argparse type: a file path that can be written (checked before any work)."""
-    problem = output_problem(text) if text else None
-    if problem:
-        raise argparse.ArgumentTypeError(f"cannot write {text!r}: {problem}")
-    return text
-
-
-def output_dir(text: str) -> str:
-    """An argparse type: a directory that exists or can be created, and can be written."""
-    problem = output_problem(text, directory=True)
-    if problem:
-        raise argparse.ArgumentTypeError(f"cannot write {text!r}: {problem}")
-    return text
-
-
-def write_json(path: str, data, **kwargs) -> None:
-    """`data` as JSON at `path`, creating the directories on the way."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(data, f, **kwargs)
 
 
 def length_spec(text: str) -> str:
@@ -147,17 +60,6 @@ def length_spec(text: str) -> str:
             f"bad length spec {text!r}: expected {LENGTH_SPECS}, lengths >= 1, lo <= hi, "
             "weights >= 0 with a positive sum")
     return text
-
-
-def on_off(text: str) -> tuple:
-    """An argparse type: on, off or on,off -> (True,), (False,) or (True, False)."""
-    values = {"on": True, "off": False}
-    parts = text.split(",")
-    bad = next((p for i, p in enumerate(parts) if p not in values or p in parts[:i]), None)
-    if bad is not None:
-        raise argparse.ArgumentTypeError(f"bad value {text!r}: {bad!r} is not on or off, or "
-                                         "comes twice; expected on, off or on,off")
-    return tuple(values[p] for p in parts)
 
 
 def router_list(text: str) -> tuple:
@@ -215,6 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--prefix-caching", type=on_off, default="on",
                    help="on, off or on,off (side by side: each policy twice; the off rows "
                    "are <policy>/no-cache)")
+    s.add_argument("--batching", type=name_list(BATCHING, "batching policy"), default="fcfs",
+                   help="batch-forming policies, comma-separated, each with every policy (rows "
+                   f"'<policy>+<batching>' when more than one): {','.join(BATCHING)}")
     w = p.add_argument_group("workload")
     w.add_argument("--workload", default="mixed", choices=WORKLOADS,
                    help="mixed: independent requests; shared-prefix: groups sharing a prefix")
@@ -314,8 +219,9 @@ def _workload(parser, args) -> WorkloadConfig:
 
 def _configs(parser, args) -> tuple:
     """(row names, one `SimConfig` each), or `parser.error` naming what cannot run. A row per
-    policy, prefix caching setting (with both, the off rows are `<policy>/no-cache`) and, with
-    `--control`, workload (`<policy> unshared`: the control)."""
+    policy, batching policy (with more than one, `<policy>+<batching>`), prefix caching setting
+    (with both, the off rows are `<policy>/no-cache`) and, with `--control`, workload
+    (`<policy> unshared`: the control)."""
     policies, split = _policies(parser, args)
     workload = _workload(parser, args)
     problem = _fit_problem(args, workload)
@@ -330,12 +236,14 @@ def _configs(parser, args) -> tuple:
     both = len(args.prefix_caching) > 1
     routers = _routers(parser, args)
     names, configs = [], []
-    for name in policies:
+    for name, batching in itertools.product(policies, args.batching):
+        row = f"{name}+{batching}" if len(args.batching) > 1 else name
         for caching in args.prefix_caching:
             policy_sched = dataclasses.replace(
-                sched, policy="fcfs" if name == "dedicated" else name, prefix_caching=caching)
+                sched, policy="fcfs" if name == "dedicated" else name, prefix_caching=caching,
+                batching=batching)
             for (suffix, wl), (at, router) in itertools.product(workloads, routers):
-                names.append(f"{name}{'/no-cache' if both and not caching else ''}{suffix}{at}")
+                names.append(f"{row}{'/no-cache' if both and not caching else ''}{suffix}{at}")
                 configs.append(SimConfig(policy_sched, wl, args.replicas,
                                          split if name == "dedicated" else 0, router))
     return names, configs
