@@ -31,9 +31,10 @@ def test_calibrate_fits_a_cost_model_the_simulator_loads(tmp_path, capsys):
     fit = json.loads(path.read_text())["fit"]
     assert fit["all"]["n"] >= 20 and fit["held_out"]["n"] >= 5
     # Held-out steps (every fourth, not fitted): R^2 0.96-1.00 in 8 runs on a 2-core machine
-    # at load average 2-3. A fit that misses how the step time depends on the step's shape
-    # scores about 0 or below: -0.5..0.01 with the step times shuffled before the fit.
-    assert fit["held_out"]["r2"] >= 0.8, fit["held_out"]
+    # at load average 2-3, 0.76 once with compiles running beside it. A fit that misses how the
+    # step time depends on the step's shape scores about 0 or below: -0.5..0.01 with the step
+    # times shuffled before the fit. 0.5 keeps that margin on both sides.
+    assert fit["held_out"]["r2"] >= 0.5, fit["held_out"]
     r = simulate(SimConfig(SchedulerConfig(token_budget=64, chunk_size=32, num_pages=512),
                            WorkloadConfig(num_requests=10, arrival="burst")), cost)
     assert r.makespan_s > 0
