@@ -86,7 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                            "shared-prefix"])
     p.add_argument("--ratios", type=parse_ratios, default="9:1,5:5,1:9",
                    help="embed:gen request ratios (mixed workload)")
-    p.add_argument("--schedulers", type=name_list(SCHEDULERS, "scheduler"), default=",".join(SCHEDULERS))
+    p.add_argument("--schedulers", type=name_list(SCHEDULERS, "scheduler"),
+                   default=",".join(SCHEDULERS))
     p.add_argument("--batching", type=name_list(BATCHINGS, "batching policy"), default="fcfs",
                    help="batch-forming policies, each with every scheduler (rows "
                    f"'<scheduler>+<batching>'): {','.join(BATCHINGS)}")

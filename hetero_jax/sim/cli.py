@@ -15,10 +15,10 @@ at `--load-ratio` x the least load + `--load-slack` tokens). Every flag is check
 before any simulation runs: a bad value, a request that can never fit (`--max-model-len`,
 `--num-pages`) or a `--json` path that cannot be written is a `parser.error` (exit status 2)
 naming the flag, the value and the limit. Out: one table row per policy, batching policy,
-caching setting and workload on stdout (throughput per type, p50/p99 latency and TTFT, average budget fill,
-embedding share of scheduled tokens, prefix cache hit rate, the requests routed by prefix
-affinity) and, with `--json PATH`, the
-same numbers as JSON: `{"config": {...}, "results": {row name: SimResult}}`. Imports no jax.
+caching setting and workload on stdout (throughput per type, p50/p99 latency and TTFT,
+average budget fill, embedding share of scheduled tokens, prefix cache hit rate, the requests
+routed by prefix affinity) and, with `--json PATH`, the same numbers as JSON:
+`{"config": {...}, "results": {row name: SimResult}}`. Imports no jax.
 
 The argument types shared with the other commands live in `sim.options`.
 """
