@@ -4,7 +4,8 @@ Random workloads (both types, random lengths, arrival steps, stop tokens) and ra
 (budget, chunk size, sequence caps, a KV cache tight enough to preempt) check that: the budget
 and the per-step caps are never exceeded; within a type, first scheduling follows arrival
 order; every request finishes with exactly the tokens an unpreempted run produces; no page
-leaks; and IBS never starves a backlogged queue.
+leaks; and IBS never starves a backlogged queue. "ibs+cost" is the cost-aware IBS under a
+step cost that splits a mixed step now always, now when token padding makes two steps cheaper.
 """
 import math
 
@@ -12,13 +13,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hetero_jax.sched import DECODE, EMBED, GENERATE, KIND_ORDER, POLICIES, Scheduler, Status
+from hetero_jax.sim.costmodel import LinearCostModel, StepCost
 from tests.sched_fakes import config, drive, emb, expected_tokens, gen
 
 MAX_MODEL_LEN = 96
+STEP_COSTS = (lambda out: 1 + len(out.items) ** 2,  # two parts always cost less
+              StepCost(LinearCostModel(0.2, (("tokens", 0.01),), token_buckets=(4, 8, 16, 32, 64,
+                                                                              128))))
 
 
 @st.composite
-def scenarios(draw, policies=tuple(POLICIES)):
+def scenarios(draw, policies=tuple(POLICIES) + ("ibs+cost",)):
     page_size = draw(st.sampled_from([1, 2, 4, 16]))
     specs = draw(st.lists(st.tuples(
         st.sampled_from([EMBED, GENERATE]), st.integers(1, 64), st.integers(1, 12),
@@ -31,7 +36,10 @@ def scenarios(draw, policies=tuple(POLICIES)):
         arrivals.setdefault(arrival, []).append(req)
     largest = max(-(-min(len(r.prompt_token_ids) + r.max_tokens, MAX_MODEL_LEN) // page_size)
                   for r in requests)
-    cfg = config(policy=draw(st.sampled_from(policies)), token_budget=draw(st.integers(1, 96)),
+    policy = draw(st.sampled_from(policies))
+    step_cost = draw(st.sampled_from(STEP_COSTS)) if policy == "ibs+cost" else None
+    cfg = config(policy=policy.split("+")[0], step_cost=step_cost,
+                 token_budget=draw(st.integers(1, 96)),
                  chunk_size=draw(st.integers(1, 48)), max_num_seqs=draw(st.integers(1, 8)),
                  max_chunk_seqs=draw(st.integers(1, 4)), page_size=page_size,
                  num_pages=largest + 1 + draw(st.integers(0, 2 * largest)),
@@ -93,38 +101,61 @@ def test_every_request_finishes_within_the_limits_and_loses_nothing(scenario):
     assert sched.pages.num_free == cfg.num_pages - 1
 
 
-def record_picks(sched):
-    """Log (weights of the live types, chosen type) of every selection that was served."""
-    log, pick, undo = [], sched.policy.pick, sched.policy.undo
+class PickLog:
+    """(weights of the live types, chosen type) of every selection that was served.
 
-    def logged_pick(heads, weights):
-        kind = pick(heads, weights)
-        log.append(({k: weights[k] for k in heads}, kind))
+    When the cost-aware IBS defers a type's part of a step, that type's selections of the step
+    were not served, and the other type's selections after its first one were uncontested (as
+    after a head that cannot run).
+    """
+
+    def __init__(self, policy):
+        self.entries, self._step = [], 0
+        self._wrapped = policy.plans, policy.pick, policy.undo, policy.split
+        policy.plans, policy.pick, policy.undo, policy.split = (self.plans, self.pick,
+                                                                self.undo, self.split)
+
+    def plans(self, pending, decoding):
+        self._step = len(self.entries)
+        return self._wrapped[0](pending, decoding)
+
+    def pick(self, heads, weights):
+        kind = self._wrapped[1](heads, weights)
+        self.entries.append(({k: weights[k] for k in heads}, kind))
         return kind
 
-    def logged_undo(kind):
-        undo(kind)
-        log.pop()
-    sched.policy.pick, sched.policy.undo = logged_pick, logged_undo
-    return log
+    def undo(self, kind):
+        self._wrapped[2](kind)
+        self.entries.pop()
+
+    def split(self, out):
+        ran = self._wrapped[3](out)
+        if len(ran.items) < len(out.items):
+            deferred = GENERATE if ran.items[0].kind == EMBED else EMBED
+            step = self.entries[self._step:]
+            first = next((i for i, (_, k) in enumerate(step) if k == deferred), len(step))
+            self.entries[self._step:] = step[:first] + [({k: w[k]}, k) for w, k in step[first:]
+                                                        if k != deferred]
+        return ran
 
 
 @settings(max_examples=300, deadline=None)
-@given(scenarios(policies=("ibs",)))
+@given(scenarios(policies=("ibs", "ibs+cost")))
 def test_ibs_never_starves_a_backlogged_queue(scenario):
     """While both types have work, a type waits at most (W0 + W) / (2 w) + 1 selections.
 
     With credits x and -x, a contested selection not given to type t raises x by its weight
     w_t, and t wins once 2x >= w_other - w_t; t's last win left x >= -W0 / 2 (W0: the total
-    weight then). A type whose head could not run is not contested, and keeps its credit.
+    weight then). A type whose head could not run, or whose part of a step the cost-aware IBS
+    deferred, is not contested, and keeps its credit.
     """
     cfg, requests, arrivals = scenario
     sched = Scheduler(cfg)
-    log = record_picks(sched)
+    log = PickLog(sched.policy)
     drive(sched, arrivals, max_steps=20_000)
     for t in (EMBED, GENERATE):
         debt, run, min_w, max_w = 0, 0, math.inf, 0
-        for weights, kind in log:
+        for weights, kind in log.entries:
             if len(weights) < 2:
                 continue
             if kind == t:

@@ -3,7 +3,7 @@
 The `Scheduler` (scheduler.py) owns the requests, the pages and the step; it reserves budget
 for running decodes, keeps one arrival-ordered candidate stream per request type (running
 requests with uncomputed input first, then the waiting queue) and handles preemption. A policy
-answers only two questions, so all policies share that structure:
+answers only these questions, so all policies share that structure:
 
 - `plans(pending, decoding)`: which plans to try for this step, in order, until one schedules
   something. A `Plan` says whether running decodes run and which types may get chunks.
@@ -12,14 +12,20 @@ answers only two questions, so all policies share that structure:
   it to its uncomputed input tokens not yet scheduled. When the head cannot run after all
   (no pages or sequence slot, or it was preempted), the scheduler calls `undo(kind)`: the
   selection did not happen; a `strict` policy (one queue) then ends the step's chunks.
+- `split(out)`: the built step, as it runs (every policy but the cost-aware IBS returns it).
 
 Policies: `ibs` (the paper's Algorithm 2), `fcfs` (Unified-Hetero) and `homogeneous`
-(Unified-Homo). `dedicated` is an engine mode (two engines), not a scheduling policy.
+(Unified-Homo). `dedicated` is an engine mode (two engines), not a scheduling policy. With a
+step-cost model (`SchedulerConfig.step_cost`: a plain `SchedulerOutput -> seconds` callable,
+such as `sim.costmodel.StepCost`), `ibs` is `CostAwareIbsPolicy`: when the model says the
+step's embedding items and generation items cost less as two steps than as one, one part
+runs now and the other waits for the next step.
 """
 from __future__ import annotations
 
 import dataclasses
 
+from hetero_jax.sched.output import SchedulerOutput
 from hetero_jax.sched.request import EMBED, GENERATE, REQUEST_KINDS
 
 
@@ -79,6 +85,11 @@ class Policy:
 
     def chose(self, plan: Plan) -> None:
         """Told which plan produced the step."""
+
+    def split(self, out: SchedulerOutput) -> SchedulerOutput:
+        """The step to run, given the one built (items left out wait, admitted, for a later
+        step)."""
+        return out
 
 
 class FcfsPolicy(Policy):
@@ -149,10 +160,76 @@ class HomogeneousPolicy(Policy):
         self.last = plan.kinds[0]
 
 
+def cheaper_split(out: SchedulerOutput, step_cost) -> dict | None:
+    """{EMBED: embedding items, GENERATE: prefill and decode items} of `out`'s decoder step,
+    each a `SchedulerOutput`, when `step_cost` (`SchedulerOutput -> seconds`) of the two is
+    less than that of the mixed step; None when the step holds one type or mixing costs no
+    more (a tie keeps the mixed step)."""
+    parts = {EMBED: [it for it in out.items if it.kind == EMBED],
+             GENERATE: [it for it in out.items if it.kind != EMBED]}
+    if not all(parts.values()):
+        return None
+    parts = {kind: SchedulerOutput(items, []) for kind, items in parts.items()}
+    two = sum(step_cost(part) for part in parts.values())
+    return parts if two < step_cost(SchedulerOutput(out.items, [])) else None
+
+
+class CostAwareIbsPolicy(IbsPolicy):
+    """IBS that runs a mixed step as two when the step-cost model says two are cheaper.
+
+    The step is built as IBS builds it. When `cheaper_split` finds the embedding part and the
+    generation part (prefill chunks and decodes) cheaper apart, one part runs and the other
+    waits, its requests admitted, for a later step. The part kept is the type the last split
+    deferred (so the kept type alternates from split to split), else the type of the step's
+    first selection (the one the credits favour). The deferred type's selections did not
+    happen: the credits go back to where they stood before its first selection of the step,
+    as when IBS finds a type's head cannot run (it keeps its credit and the other type's later
+    selections are uncontested). So IBS's bound on how long a backlogged type waits holds over
+    the selections that ran.
+    """
+
+    def __init__(self, step_cost):
+        super().__init__()
+        self.step_cost = step_cost
+        self.owed = None  # the type the last split deferred, until a step runs it
+        self.splits = 0  # steps split so far
+        self._picks: list = []  # (type, credits before the selection) of this step's selections
+
+    def plans(self, pending: dict, decoding: bool) -> list:
+        self._picks = []
+        return super().plans(pending, decoding)
+
+    def pick(self, heads: dict, weights: dict) -> str:
+        before = dict(self.credits.acc)
+        kind = super().pick(heads, weights)
+        self._picks.append((kind, before))
+        return kind
+
+    def undo(self, kind: str) -> None:
+        super().undo(kind)
+        self._picks.pop()
+
+    def split(self, out: SchedulerOutput) -> SchedulerOutput:
+        parts = cheaper_split(out, self.step_cost)
+        if parts is None:
+            if self.owed in {EMBED if it.kind == EMBED else GENERATE for it in out.items}:
+                self.owed = None
+            return out
+        keep = self.owed or self._picks[0][0]  # a mixed step holds an embedding selection
+        self.owed = GENERATE if keep == EMBED else EMBED
+        self.splits += 1
+        first = next((before for kind, before in self._picks if kind == self.owed), None)
+        if first is not None:
+            self.credits.acc = first
+        return SchedulerOutput(parts[keep].items, out.preempted, out.encoder_items)
+
+
 POLICIES = {p.name: p for p in (IbsPolicy, FcfsPolicy, HomogeneousPolicy)}
 
 
-def make_policy(name: str) -> Policy:
+def make_policy(name: str, step_cost=None) -> Policy:
+    """The policy `name`; with `step_cost` (`SchedulerOutput -> seconds`, ibs only) the
+    cost-aware IBS."""
     if name == "dedicated":
         raise ValueError("'dedicated' is an engine mode (one embedding and one generation "
                          "engine), not a scheduling policy: build it with "
@@ -161,4 +238,9 @@ def make_policy(name: str) -> Policy:
                          + ", ".join(POLICIES))
     if name not in POLICIES:
         raise ValueError(f"unknown scheduler policy {name!r}; expected one of {', '.join(POLICIES)}")
-    return POLICIES[name]()
+    if step_cost is None:
+        return POLICIES[name]()
+    if name != IbsPolicy.name or not callable(step_cost):
+        raise ValueError(f"a step-cost model (a callable, got {type(step_cost).__name__}) is for "
+                         f"the {IbsPolicy.name!r} policy only, not {name!r}")
+    return CostAwareIbsPolicy(step_cost)

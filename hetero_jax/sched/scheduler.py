@@ -10,7 +10,9 @@ Every policy shares one step structure under a per-step token budget:
 1. running decodes first (one token each; homogeneous embedding steps skip them);
 2. then chunks of at most `chunk_size` from the candidate streams of the plan's request types
    (per type: running requests with uncomputed input in admission order, then the waiting
-   queue in arrival order); the policy (policies.py) picks the type of each next chunk.
+   queue in arrival order); the policy (policies.py) picks the type of each next chunk;
+3. the policy may run part of the step built and leave the rest, admitted, for the next
+   (the cost-aware IBS, when `step_cost` says two steps cost less than the mixed one).
 At most `max_chunk_seqs` multi-token items (embedding and prefill chunks) run per step.
 The batching policy (`batching.py`, `cfg.batching`) orders the waiting generation requests
 of step 2 and picks which running decodes of step 1 run (fcfs: arrival order, all of them;
@@ -60,6 +62,7 @@ class SchedulerConfig:
     prefix_caching: bool = False  # look up and register full pages (prefix.py)
     batching: str = "fcfs"  # fcfs | lpm | feather | feather-bandit: admissions, decodes
     feather: FeatherConfig = FeatherConfig()  # the knobs of feather and feather-bandit
+    step_cost: object = None  # ibs: SchedulerOutput -> seconds; splits a step when two cost less
 
 
 @dataclasses.dataclass
@@ -112,7 +115,7 @@ class _Step:
 class Scheduler:
     def __init__(self, cfg: SchedulerConfig):
         self.cfg = cfg
-        self.policy = make_policy(cfg.policy)
+        self.policy = make_policy(cfg.policy, cfg.step_cost)
         self.batching = make_batching(cfg)  # batching.py: generation admissions and decodes
         self.pages = PagePool(cfg.num_pages, cfg.prefix_caching)
         self.prefix = PrefixCache(self.pages, cfg.page_size)
@@ -199,7 +202,7 @@ class Scheduler:
         for e in entries:
             (encoder if e.request.is_embed and self.on_encoder else decoder).append(
                 self._snapshot(e))
-        out = SchedulerOutput(decoder, step.preempted, encoder)
+        out = self.policy.split(SchedulerOutput(decoder, step.preempted, encoder))
         self._check(out)
         return out
 

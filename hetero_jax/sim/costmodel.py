@@ -16,6 +16,9 @@ model as its `context_tokens` feature).
   "token_buckets": [16, 32, 64, 128, 256]}`; with `token_buckets` the `tokens` feature is
   padded to its bucket, as the engine pads a step. `scripts/calibrate.py` fits it to the
   engine's step times measured on this machine (extra keys such as `fit` are ignored).
+
+`StepCost` wraps either as the plain `SchedulerOutput -> seconds` callable that the
+scheduler's cost-aware IBS takes (`SchedulerConfig.step_cost`, `EngineConfig.cost_model`).
 """
 from __future__ import annotations
 
@@ -203,3 +206,34 @@ def load_cost_model(spec: str, model: str = "mistral-7b"):
     if d.get("type") != "linear":
         raise ValueError(f"{spec}: cost model type {d.get('type')!r}; expected 'linear' or 'roofline'")
     return LinearCostModel.from_dict(d)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepCost:
+    """A cost model as the callable the scheduler's cost-aware IBS takes
+    (`SchedulerConfig.step_cost`): a `SchedulerOutput` -> seconds of its decoder step."""
+
+    model: object  # LinearCostModel | RooflineCostModel: anything with step_time(StepShape)
+    page_size: int = 16
+    cascade: CascadeSettings | None = None
+
+    def __call__(self, out: SchedulerOutput) -> float:
+        return self.model.step_time(StepShape.from_output(out, self.page_size, self.cascade))
+
+
+def engine_step_cost(spec, model_cfg, bytes_per_param: int, page_size: int,
+                     cascade: CascadeSettings | None) -> StepCost:
+    """`EngineConfig.cost_model` as a `StepCost`: an object with `step_time(StepShape)`, the
+    path of a cost model JSON file, or `roofline:<hardware>` of the engine's own model."""
+    if not isinstance(spec, str):
+        return StepCost(spec, page_size, cascade)
+    if spec.startswith("roofline:"):
+        hw = spec.split(":", 1)[1]
+        if hw not in HARDWARE:
+            raise ValueError(f"cost_model={spec!r}: unknown hardware {hw!r}; expected one of "
+                             f"{', '.join(HARDWARE)}")
+        model = RooflineCostModel(ModelSpec.from_config(model_cfg, "engine", bytes_per_param),
+                                  HARDWARE[hw])
+    else:
+        model = load_cost_model(spec)
+    return StepCost(model, page_size, cascade)
