@@ -88,3 +88,43 @@ def test_the_batching_table_puts_every_policy_beside_fcfs(tmp_path, capsys):
     on = next(r for r in rows if r["workload"] == "2 groups" and r["cascade"] == "on")
     off = next(r for r in rows if r["workload"] == "2 groups" and r["cascade"] == "off")
     assert on["kv_gb"] < off["kv_gb"] and "x fcfs" in capsys.readouterr().out
+
+
+SMALL_TABLE = ["--groups", "2", "--prompts-per-group", "4", "--prefix-len", "256",
+               "--output-len", "8", "--clients", "8", "--cascade", "off"]
+
+
+def test_the_arms_table_puts_the_bandit_beside_each_arm_run_alone_and_fcfs(tmp_path):
+    import json
+
+    from hetero_jax.sched.bandit import DEFAULT_ARMS
+    from hetero_jax.sim.batching_table import main
+
+    rows = main(SMALL_TABLE + ["--arms", "--embed-frac", "0,0.5", "--json",
+                               str(tmp_path / "arms.json")])
+    assert [(r["workload"], r["mix"], r["cascade"]) for r in rows] == [
+        ("2 groups", "gen", "off"), ("2 groups", "50% emb", "off")]
+    assert json.loads((tmp_path / "arms.json").read_text())["rows"][0]["arms"] == rows[0]["arms"]
+    each = {r["batching"]: r for r in main(SMALL_TABLE + ["--each-arm"])}
+    for row in rows:
+        arms = row["arms"]
+        assert set(arms) == {str(a) for a in DEFAULT_ARMS}
+        assert row["arm_rps"] == arms[row["best_arm"]] == max(arms.values())
+        assert row["worst_rps"] == min(arms.values())
+        assert row["vs_arm"] == pytest.approx(row["bandit_rps"] / row["arm_rps"])
+        assert row["vs_fcfs"] == pytest.approx(row["bandit_rps"] / row["fcfs_rps"])
+    gen, mixed = rows
+    for arm, rps in gen["arms"].items():  # generation only: the same runs as --each-arm's
+        assert rps == pytest.approx(each[f"feather[{arm}]"]["gen_rps"])
+    assert gen["bandit_rps"] == pytest.approx(each["feather-bandit"]["gen_rps"])
+    gen_only = main(SMALL_TABLE + ["--embed-frac", "0.5"])[0]  # fcfs, generations alone
+    assert mixed["fcfs_rps"] > gen_only["gen_rps"]  # the arms table counts the embeddings too
+
+
+@pytest.mark.parametrize("bad", ["1.5", "0,x", "-0.1"])
+def test_the_batching_table_refuses_an_embedding_fraction_outside_0_1(bad, capsys):
+    from hetero_jax.sim.batching_table import main
+
+    with pytest.raises(SystemExit):
+        main(SMALL_TABLE + ["--embed-frac", bad])
+    assert "--embed-frac" in capsys.readouterr().err
