@@ -50,6 +50,10 @@ class EngineConfig:
     # from `scheduler` (embedding vs generation tokens): fcfs | lpm | feather | feather-bandit.
     batching: str = "fcfs"
     feather: FeatherConfig = FeatherConfig()  # chunk_pages, loss limit, cap, aging, bandit arms
+    # scheduler="ibs" only: a step-cost model (a cost model JSON path as scripts/calibrate.py
+    # writes, "roofline:<a100-40gb|h200>" of this model, or an object with step_time(StepShape))
+    # turns on the cost-aware IBS: a mixed step runs as two when the model says two cost less.
+    cost_model: object = None
     attention_impl: str = "auto"  # auto | xla | pallas
     layer_loop: str = "auto"  # auto (unrolled on CPU, scan elsewhere) | scan | unrolled
     token_buckets: tuple | None = None  # None: powers of two from 16 up to token_budget
@@ -100,6 +104,14 @@ class EngineConfig:
             raise ValueError(f"feather={self.feather!r} must be a sched.FeatherConfig")
         if self.buffered_head is not None and not callable(self.buffered_head):
             raise ValueError(f"buffered_head={self.buffered_head!r} must be a function or None")
+        if self.cost_model is not None and not (
+                (isinstance(self.cost_model, str) and self.cost_model)
+                or callable(getattr(self.cost_model, "step_time", None))):
+            raise ValueError(f"cost_model={self.cost_model!r} must be None, a cost model JSON "
+                             "path, 'roofline:<hardware>' or an object with step_time(StepShape)")
+        if self.cost_model is not None and self.scheduler != "ibs":
+            raise ValueError(f"cost_model is for scheduler='ibs' (the cost-aware IBS), not "
+                             f"{self.scheduler!r}")
 
     def resolve(self, model_max_len: int, kv_bytes_per_token: int) -> "EngineConfig":
         """Fill every None from the model: max_model_len, num_pages and the bucket lists."""

@@ -40,6 +40,8 @@ from hetero_jax.serving.batch_api import BatchAPI
 from hetero_jax.serving.encoder import SeparateEncoder
 from hetero_jax.serving.input_processor import EmbeddingModel, InputProcessor
 from hetero_jax.serving.output_processor import error_output, make_output
+from hetero_jax.sim.costmodel import engine_step_cost
+from hetero_jax.sim.kvreads import CascadeSettings
 
 
 class Engine(BatchAPI):
@@ -66,7 +68,10 @@ class Engine(BatchAPI):
             max_chunk_seqs=c.max_chunk_seqs, page_size=c.page_size, num_pages=c.num_pages,
             max_model_len=c.max_model_len, policy=c.scheduler,
             encoder_max_seqs=encoder.runner.batch_buckets[-1] if encoder else 0,
-            prefix_caching=c.prefix_caching, batching=c.batching, feather=c.feather))
+            prefix_caching=c.prefix_caching, batching=c.batching, feather=c.feather,
+            step_cost=None if c.cost_model is None else engine_step_cost(
+                c.cost_model, model_cfg, dtype.itemsize, c.page_size,
+                CascadeSettings(c.cascade_rows, c.cascade_min_pages, c.max_num_seqs))))
         if encoder and c.prefix_caching:
             warnings.warn("prefix caching serves generation only here: the separate encoder "
                           "embeds every input whole (a bidirectional encoder has no prefix "

@@ -1,0 +1,54 @@
+"""The engine with a step-cost model (the cost-aware IBS) serves what it serves without one."""
+import dataclasses
+
+import numpy as np
+import pytest
+
+from hetero_jax import (EmbeddingOutput, EmbedRequest, Engine, EngineConfig, GenerateRequest,
+                        PoolingParams, SamplingParams)
+
+CFG = EngineConfig(token_budget=32, chunk_size=16, max_num_seqs=8, page_size=8,
+                   max_model_len=128, scheduler="ibs", token_buckets=(32,), page_buckets=(16,),
+                   seq_buckets=(8,), cascade_rows=0)
+
+
+class AlwaysSplit:
+    """A step cost that grows as the square of the sequences: two parts always cost less."""
+
+    def step_time(self, shape) -> float:
+        return 1.0 + shape.seqs ** 2
+
+
+def requests():
+    rng = np.random.default_rng(0)
+    gens = [GenerateRequest(rng.integers(3, 200, n).tolist(),
+                            SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True,
+                                           logprobs=2)) for n in (5, 23)]
+    embeds = [EmbedRequest(rng.integers(3, 200, n).tolist(), PoolingParams("mean"))
+              for n in (40, 7, 19)]
+    return [gens[0], embeds[0], gens[1], embeds[1], embeds[2]]
+
+
+def test_the_cost_aware_ibs_changes_steps_not_outputs():
+    plain = Engine.from_preset("tiny", config=CFG)
+    want = plain.run(requests(), use_tqdm=False)
+    engine = Engine.from_preset("tiny", config=dataclasses.replace(CFG, cost_model=AlwaysSplit()))
+    got = engine.run(requests(), use_tqdm=False)
+    assert engine.scheduler.policy.splits > 0 and engine.stats.steps > plain.stats.steps
+    for g, w in zip(got, want):
+        if isinstance(w, EmbeddingOutput):
+            np.testing.assert_allclose(g.embedding, w.embedding, rtol=1e-5, atol=1e-6)
+        else:
+            assert g.token_ids == w.token_ids
+            np.testing.assert_allclose([lp["logprob"] for lp in g.logprobs],
+                                       [lp["logprob"] for lp in w.logprobs], atol=1e-5)
+
+
+def test_cost_model_settings_are_checked():
+    with pytest.raises(ValueError, match="for scheduler='ibs'"):
+        EngineConfig(scheduler="fcfs", cost_model="calibration/small-cpu.json")
+    with pytest.raises(ValueError, match="must be None, a cost model JSON path"):
+        EngineConfig(scheduler="ibs", cost_model=3)
+    with pytest.raises(ValueError, match="unknown hardware 'tpu'"):
+        Engine.from_preset("tiny", config=EngineConfig(scheduler="ibs", cost_model="roofline:tpu",
+                                                       max_model_len=64))
