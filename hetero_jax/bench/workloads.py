@@ -19,7 +19,8 @@ import numpy as np
 from hetero_jax.rag.iter_retgen import QueryPlan, build_prompt
 from hetero_jax.requests import EmbedRequest, GenerateRequest, PoolingParams, SamplingParams
 from hetero_jax.sched import EMBED
-from hetero_jax.sim.workload import LengthDist, WorkloadConfig, request_specs
+from hetero_jax.sim.workload import (LengthDist, WorkloadConfig, ratio_workload, request_specs,
+                                     run_size)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,23 +32,14 @@ class MixedWorkload:
     output_len: int = 512
     seed: int = 0
 
-    @staticmethod
-    def run_size(ratio: tuple, requests: int, min_gens: int) -> int:
-        """Requests in a run at `ratio`: `requests`, raised so that it holds at least
-        `min_gens` generations (a few long generations would otherwise set the whole run's
-        time by their decode chains, and a 9:1 run of 48 requests holds only 5)."""
-        e, g = ratio
-        return max(requests, -(-min_gens * (e + g) // g)) if g else requests
+    run_size = staticmethod(run_size)  # sim.workload's: requests at a ratio, >= min_gens gens
 
     def requests(self, ratio: tuple, num: int, vocab: int) -> list:
         """`num` requests at `ratio` (embed, gen): the simulator's mix and tokens
-        (`sim.request_specs`: round(num * e / (e + g)) embeddings, shuffled, token ids drawn
-        below min(vocab, 256), the bytes of the byte tokenizer)."""
-        e, g = ratio
-        specs = request_specs(WorkloadConfig(
-            num_requests=num, embed_frac=e / (e + g), gen_prompt=LengthDist((self.prompt_len,)),
-            gen_output=LengthDist((self.output_len,)), embed_len=LengthDist((self.embed_len,)),
-            order="mixed", seed=self.seed, vocab_size=min(vocab, 256)))
+        (`sim.request_specs` of `sim.ratio_workload`: round(num * e / (e + g)) embeddings,
+        shuffled, token ids drawn below min(vocab, 256), the bytes of the byte tokenizer)."""
+        specs = request_specs(ratio_workload(ratio, num, self.embed_len, self.prompt_len,
+                                             self.output_len, self.seed, min(vocab, 256)))
         return _engine_requests(specs, PoolingParams("mean", normalize=True))
 
 

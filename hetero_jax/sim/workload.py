@@ -116,6 +116,25 @@ class WorkloadConfig:
         return round(self.num_requests * self.embed_frac)
 
 
+def ratio_workload(ratio: tuple, num: int, embed_len: int, prompt_len: int, output_len: int,
+                   seed: int = 0, vocab_size: int = 256, **kw) -> WorkloadConfig:
+    """The bench's mixed workload at `ratio` (embed, gen): `num` requests of fixed lengths,
+    round(num * e / (e + g)) of them embeddings, shuffled (`kw`: arrivals, clients)."""
+    e, g = ratio
+    return WorkloadConfig(num_requests=num, embed_frac=e / (e + g),
+                          gen_prompt=LengthDist((prompt_len,)), gen_output=LengthDist((output_len,)),
+                          embed_len=LengthDist((embed_len,)), order="mixed", seed=seed,
+                          vocab_size=vocab_size, **kw)
+
+
+def run_size(ratio: tuple, requests: int, min_gens: int) -> int:
+    """Requests in a bench run at `ratio`: `requests`, raised so that it holds at least
+    `min_gens` generations (a few long generations would otherwise set the whole run's time by
+    their decode chains, and a 9:1 run of 48 requests holds only 5)."""
+    e, g = ratio
+    return max(requests, -(-min_gens * (e + g) // g)) if g else requests
+
+
 @dataclasses.dataclass(frozen=True)
 class RequestSpec:
     kind: str  # EMBED | GENERATE
