@@ -1,5 +1,6 @@
-"""The offline bound on mixing's gain (sim/bound.py): hand-computed least work, and that no
-simulated schedule beats the bound of its kind (no jax)."""
+"""The offline bound on mixing's gain (sim/bound.py): hand-computed least work, that no
+simulated schedule beats the bound of its kind (no jax), and `hetero-jax sim --policy
+ibs-cost`."""
 import dataclasses
 
 from hypothesis import given, settings
@@ -7,7 +8,8 @@ from hypothesis import strategies as st
 
 from hetero_jax.sched import SchedulerConfig
 from hetero_jax.sim.bound import bound_row, bound_table, group_work, main, parse_ratios
-from hetero_jax.sim.costmodel import FEATURES, LinearCostModel, load_cost_model
+from hetero_jax.sim.cli import sim_main
+from hetero_jax.sim.costmodel import FEATURES, LinearCostModel, StepCost, load_cost_model
 from hetero_jax.sim.simulate import SimConfig, simulate
 from hetero_jax.sim.workload import RequestSpec, ratio_workload, request_specs
 
@@ -49,9 +51,12 @@ def cases(draw):
 def test_no_simulated_schedule_beats_the_bound_of_its_kind(case):
     model, workload, cfg = case
     row = bound_row(model, request_specs(workload), cfg)
-    for policy, bound in (("ibs", "mixed_bound_s"), ("fcfs", "mixed_bound_s"),
-                          ("homogeneous", "homo_bound_s")):
-        result = simulate(SimConfig(dataclasses.replace(cfg, policy=policy), workload), model)
+    cost_aware = StepCost(model, cfg.page_size)
+    for policy, step_cost, bound in (
+            ("ibs", None, "mixed_bound_s"), ("ibs", cost_aware, "mixed_bound_s"),
+            ("fcfs", None, "mixed_bound_s"), ("homogeneous", None, "homo_bound_s")):
+        sched = dataclasses.replace(cfg, policy=policy, step_cost=step_cost)
+        result = simulate(SimConfig(sched, workload), model)
         assert result.makespan_s >= row[bound] * (1 - 1e-9), f"{policy}: {result.makespan_s=}"
     assert row["mixed_bound_s"] <= row["homo_bound_s"] * (1 + 1e-9)
 
@@ -62,9 +67,9 @@ def test_the_table_on_the_calibrated_cpu_model(capsys, tmp_path):
     (row,) = rows
     assert row["ratio"] == "5:5" and row["requests"] == 48
     assert row["homo_bound_rps"] <= row["mixed_bound_rps"]
-    assert all(row[p]["rps"] <= row["mixed_bound_rps"] for p in ("ibs", "ibs+cost", "fcfs"))
+    assert all(row[p]["rps"] <= row["mixed_bound_rps"] for p in ("ibs", "ibs-cost", "fcfs"))
     assert row["homogeneous"]["rps"] <= row["homo_bound_rps"]
-    assert "ibs+cost captured" in capsys.readouterr().out and (tmp_path / "bound.json").exists()
+    assert "ibs-cost captured" in capsys.readouterr().out and (tmp_path / "bound.json").exists()
 
 
 def test_bad_arguments_are_refused():
@@ -76,3 +81,10 @@ def test_bad_arguments_are_refused():
         else:
             raise AssertionError(f"{text!r} accepted")
     assert bound_table(load_cost_model("calibration/small-cpu.json"), ratios=()) == []
+
+
+def test_sim_cli_runs_the_cost_aware_ibs(capsys):
+    results = sim_main(["--policy", "ibs,ibs-cost", "--cost", "calibration/small-cpu.json",
+                        "--requests", "12", "--gen-output", "8", "--embed-frac", "0.5"])
+    assert set(results) == {"ibs", "ibs-cost"}
+    assert all(sum(t["completed"] for t in r.per_type.values()) == 12 for r in results.values())

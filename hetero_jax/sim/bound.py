@@ -7,7 +7,7 @@ embeddings and prompts, 256-token outputs, `run_size` requests), all of it there
 burst: the offline setting), the bench's scheduler limits and a `LinearCostModel`. Out, per
 ratio: lower bounds on the total time of any schedule of mixed steps and of any schedule of
 homogeneous steps (one request type a step), the requests/s they allow, the gain of the one
-over the other, and the simulated requests/s of ibs, the cost-aware ibs, fcfs and
+over the other, and the simulated requests/s of ibs, the cost-aware ibs (ibs-cost), fcfs and
 homogeneous on the same trace with the fraction of the bound's gain each captures. Imports
 no jax.
 
@@ -41,7 +41,7 @@ RATIOS = ((9, 1), (5, 5), (1, 9))
 BENCH = dict(requests=48, min_gens=16, embed_len=128, prompt_len=128, output_len=256)
 BENCH_SCHED = SchedulerConfig(token_budget=256, chunk_size=64, max_num_seqs=32,
                               max_chunk_seqs=4, page_size=16, num_pages=769, max_model_len=384)
-POLICY_ROWS = ("ibs", "ibs+cost", "fcfs", "homogeneous")
+POLICY_ROWS = ("ibs", "ibs-cost", "fcfs", "homogeneous")
 
 
 @dataclasses.dataclass
@@ -112,7 +112,7 @@ def simulate_rows(model, workload, cfg: SchedulerConfig) -> dict:
     """Simulated requests/s (and split steps) of each of `POLICY_ROWS` on `workload`."""
     out = {}
     for row in POLICY_ROWS:
-        policy, cost = (("ibs", StepCost(model, cfg.page_size)) if row == "ibs+cost"
+        policy, cost = (("ibs", StepCost(model, cfg.page_size)) if row == "ibs-cost"
                         else (row, None))
         sim_cfg = SimConfig(dataclasses.replace(cfg, policy=policy, step_cost=cost), workload)
         sim = Simulation(sim_cfg, model)
@@ -149,8 +149,8 @@ COLUMNS = [("ratio", "ratio", "{}"), ("reqs", "requests", "{}"),
            ("mixed bound r/s", "mixed_bound_rps", "{:.3f}"),
            ("homo bound r/s", "homo_bound_rps", "{:.3f}"), ("bound gain", "bound_gain", "{:.1%}")]
 COLUMNS += [(f"{name} r/s", f"{name}_rps", "{:.3f}") for name in POLICY_ROWS]
-COLUMNS += [(f"{name} captured", f"{name}_captured", "{:.0%}") for name in ("ibs", "ibs+cost")]
-COLUMNS += [("ibs+cost splits", "splits", "{}")]
+COLUMNS += [(f"{name} captured", f"{name}_captured", "{:.0%}") for name in ("ibs", "ibs-cost")]
+COLUMNS += [("ibs-cost splits", "splits", "{}")]
 
 
 def _flat(row: dict) -> dict:
@@ -158,7 +158,7 @@ def _flat(row: dict) -> dict:
     for name in POLICY_ROWS:
         flat[f"{name}_rps"] = row[name]["rps"]
         flat[f"{name}_captured"] = row[name]["captured"]
-    flat["splits"] = row["ibs+cost"]["splits"]
+    flat["splits"] = row["ibs-cost"]["splits"]
     return flat
 
 

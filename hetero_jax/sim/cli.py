@@ -2,7 +2,8 @@
 
 In: argv (workload, policies, budget, chunk size, replicas, prefix caching, cost model).
 `dedicated` (with `--replicas` >= 2) is the static split: `--embed-replicas` replicas
-(default half) serve only embeddings and the rest only generation, each in arrival order.
+(default half) serve only embeddings and the rest only generation, each in arrival order;
+`ibs-cost` is ibs that runs a mixed step as two when the cost model says two cost less.
 `--workload shared-prefix` runs the bench's groups sharing a prefix (`--groups`,
 `--prompts-per-group`, `--prefix-len`, `--suffix-len`; outputs from `--gen-output`, the mix
 from `--embed-frac`), with `--control` also the same lengths with nothing shared;
@@ -31,7 +32,7 @@ import math
 
 from hetero_jax.sched import BATCHING, EMBED, GENERATE, POLICIES, SchedulerConfig
 from hetero_jax.sched.router import ROUTERS, RouterConfig
-from hetero_jax.sim.costmodel import HARDWARE, MODELS, load_cost_model
+from hetero_jax.sim.costmodel import HARDWARE, MODELS, StepCost, load_cost_model
 from hetero_jax.sim.options import int_range, name_list, on_off, output_file, real_range, \
     write_json
 from hetero_jax.sim.report import format_table
@@ -45,6 +46,7 @@ LIMITS = dict(budget=(1, 1 << 20), chunk=(1, 1 << 20), max_num_seqs=(1, 100_000)
               prompts_per_group=(1, 1_000_000), prefix_len=(0, 1 << 24), suffix_len=(1, 1 << 24),
               load_slack=(0, 1 << 40))
 LENGTH_SPECS = "128, 96,224, 96:0.55,224:0.45 or 64-256"
+COST_AWARE = "ibs-cost"  # ibs with the cost model as its step cost (sched's CostAwareIbsPolicy)
 
 
 def length_spec(text: str) -> str:
@@ -85,7 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
                                 "policies against a cost model and print what they give.")
     p.add_argument("--policy", default="ibs",
                    help=f"comma-separated policies, or 'all' ({', '.join(POLICIES)}, and "
-                   "dedicated when --replicas >= 2)")
+                   f"dedicated when --replicas >= 2); {COST_AWARE}: ibs that splits a mixed step "
+                   "when the cost model says two steps cost less (not in 'all')")
     p.add_argument("--cost", default="roofline:h200",
                    help=f"roofline:<{'|'.join(HARDWARE)}> or a cost model JSON file")
     p.add_argument("--model", default="mistral-7b", choices=list(MODELS), help="roofline model")
@@ -158,9 +161,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _policies(parser, args) -> tuple:
     """(policy names, embedding replicas of `dedicated`), or `parser.error`."""
-    known = list(POLICIES) + ["dedicated"]
-    policies = (known if args.replicas >= 2 else list(POLICIES)) if args.policy == "all" else \
-        list(dict.fromkeys(args.policy.split(",")))
+    known = list(POLICIES) + [COST_AWARE, "dedicated"]
+    every = list(POLICIES) + (["dedicated"] if args.replicas >= 2 else [])
+    policies = every if args.policy == "all" else list(dict.fromkeys(args.policy.split(",")))
     for name in policies:
         if name not in known:
             parser.error(f"argument --policy: unknown policy {name!r}; expected one of "
@@ -217,7 +220,7 @@ def _workload(parser, args) -> WorkloadConfig:
         suffix_len=args.suffix_len)
 
 
-def _configs(parser, args) -> tuple:
+def _configs(parser, args, cost) -> tuple:
     """(row names, one `SimConfig` each), or `parser.error` naming what cannot run. A row per
     policy, batching policy (with more than one, `<policy>+<batching>`), prefix caching setting
     (with both, the off rows are `<policy>/no-cache`) and, with `--control`, workload
@@ -240,8 +243,9 @@ def _configs(parser, args) -> tuple:
         row = f"{name}+{batching}" if len(args.batching) > 1 else name
         for caching in args.prefix_caching:
             policy_sched = dataclasses.replace(
-                sched, policy="fcfs" if name == "dedicated" else name, prefix_caching=caching,
-                batching=batching)
+                sched, policy={"dedicated": "fcfs", COST_AWARE: "ibs"}.get(name, name),
+                prefix_caching=caching, batching=batching,
+                step_cost=StepCost(cost, args.page_size) if name == COST_AWARE else None)
             for (suffix, wl), (at, router) in itertools.product(workloads, routers):
                 names.append(f"{row}{'/no-cache' if both and not caching else ''}{suffix}{at}")
                 configs.append(SimConfig(policy_sched, wl, args.replicas,
@@ -320,7 +324,7 @@ def sim_main(argv=None) -> dict:
     parser = build_parser()
     args = parser.parse_args(argv)
     cost = _cost_model(parser, args)
-    names, configs = _configs(parser, args)
+    names, configs = _configs(parser, args, cost)
     results = {name: simulate(cfg, cost) for name, cfg in zip(names, configs)}
     wl = configs[0].workload
     what = f"{wl.size} requests" if wl.name == "mixed" else (
