@@ -2,6 +2,8 @@
 simulated schedule beats the bound of its kind (no jax), and `hetero-jax sim --policy
 ibs-cost`."""
 import dataclasses
+import subprocess
+import sys
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -88,3 +90,9 @@ def test_sim_cli_runs_the_cost_aware_ibs(capsys):
                         "--requests", "12", "--gen-output", "8", "--embed-frac", "0.5"])
     assert set(results) == {"ibs", "ibs-cost"}
     assert all(sum(t["completed"] for t in r.per_type.values()) == 12 for r in results.values())
+
+
+def test_the_bound_and_the_cost_aware_policy_import_no_jax():
+    code = ("import sys; import hetero_jax.sim.bound, hetero_jax.sched.policies; "
+            "assert not [m for m in sys.modules if m.split('.')[0] in ('jax', 'jaxlib')]")
+    subprocess.run([sys.executable, "-c", code], check=True)
