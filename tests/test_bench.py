@@ -108,6 +108,10 @@ def assert_scheduled_tokens_are_the_work(r: dict, cfg: dict) -> None:
     (["--model", "/no/such/dir"], "'/no/such/dir' is not a directory"),
     (["--prefix-caching", "maybe"], "bad value 'maybe': 'maybe' is not on or off"),
     (["--workload", "shared-prefix", "--prefix-len", "4000"], "need 4288 positions"),
+    (["--schedulers", "ibs,ibs-cost"], "--schedulers ibs-cost and --cost-model go together"),
+    (["--cost-model", "roofline:h200"], "--schedulers ibs-cost and --cost-model go together"),
+    (["--schedulers", "ibs-cost", "--cost-model", "/no/such.json"],
+     "argument --cost-model: '/no/such.json' is not a file"),
 ])
 def test_bad_flags_fail_with_the_value_and_the_limit(flags, message, capsys):
     with pytest.raises(SystemExit) as e:
@@ -152,6 +156,16 @@ def test_iter_retgen_workload_runs_the_pipeline(tmp_path, capsys):
     assert row["cache_hit_rate"] > 0.2, "the shared instruction is computed once"
     assert row["gen_tokens_per_s"] > 0 and row["steps"] > 0 and 0 < row["budget_fill"] <= 1
     assert "questions/s" in capsys.readouterr().out
+
+
+def test_the_cost_aware_ibs_contender_serves_every_request(tmp_path):
+    out = tmp_path / "cost.json"
+    assert main(["bench", "--preset", "tiny", "--quick", "--ratios", "5:5", "--schedulers",
+                 "ibs,ibs-cost", "--cost-model", "calibration/small-cpu.json",
+                 "--compile-cache", "none", "--no-progress", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["results"]
+    assert [r["scheduler"] for r in rows] == ["ibs", "ibs-cost"]
+    assert rows[0]["requests"] == rows[1]["requests"] == 8
 
 
 def test_shared_prefix_runs_with_the_cache_on_and_off_side_by_side(tmp_path):

@@ -33,6 +33,7 @@ from hetero_jax.bench.loop import (DedicatedFront, closed_loop, counters, counte
 from hetero_jax.bench.report import COLUMNS, NOTES, plot_results
 from hetero_jax.bench.workloads import (MixedWorkload, SharedPrefixWorkload,
                                         synthetic_iter_retgen)
+from hetero_jax.sched.policies import COST_AWARE_IBS
 from hetero_jax.sim.options import write_json
 from hetero_jax.sim.report import format_table
 
@@ -70,10 +71,12 @@ class Contender:
             "/plain" if len(cfg.cascade) > 1 and not cascade else "")
         feather = engine_config.feather if arm is None else dataclasses.replace(
             engine_config.feather, loss_limit=arm.loss_limit, cap=arm.cap)
+        cost_aware = scheduler == COST_AWARE_IBS  # ibs with cfg.cost_model
         self.engine = make_engine(cfg.model or cfg.preset, dataclasses.replace(
-            engine_config, scheduler=scheduler, prefix_caching=caching, batching=batching,
-            feather=feather, cascade_rows=engine_config.cascade_rows if cascade else 0),
-            cfg.seed)
+            engine_config, scheduler="ibs" if cost_aware else scheduler,
+            cost_model=cfg.cost_model if cost_aware else None, prefix_caching=caching,
+            batching=batching, feather=feather,
+            cascade_rows=engine_config.cascade_rows if cascade else 0), cfg.seed)
         self.token_budget = engine_config.token_budget
         self.tokenizer = getattr(self.engine, "tokenizer", None) or _tokenizer(cfg.model)
         self.batch_sizes = None  # dedicated: the generation worker's batch sizes, last run

@@ -17,10 +17,11 @@ import os
 from hetero_jax.bench.workloads import MixedWorkload, synthetic_iter_retgen
 from hetero_jax.sched.bandit import DEFAULT_ARMS, make_arms
 from hetero_jax.sched.batching import BATCHING
+from hetero_jax.sched.policies import COST_AWARE_IBS
 from hetero_jax.sim.options import int_range, name_list, on_off, output_dir, output_file, \
     real_range
 
-SCHEDULERS = ("ibs", "fcfs", "homogeneous", "dedicated")
+SCHEDULERS = ("ibs", "fcfs", "homogeneous", "dedicated")  # the default contenders
 BATCHINGS = BATCHING + ("each-arm",)  # each-arm: feather with every --arms arm fixed, one row each
 LIMITS = dict(clients=(1, 1024), requests=(1, 100_000), min_gens=(0, 100_000), repeats=(1, 20),
               embed_len=(1, 8192), prompt_len=(1, 8192), output_len=(1, 8192), iterations=(1, 10),
@@ -86,8 +87,11 @@ def build_parser() -> argparse.ArgumentParser:
                                                            "shared-prefix"])
     p.add_argument("--ratios", type=parse_ratios, default="9:1,5:5,1:9",
                    help="embed:gen request ratios (mixed workload)")
-    p.add_argument("--schedulers", type=name_list(SCHEDULERS, "scheduler"),
-                   default=",".join(SCHEDULERS))
+    p.add_argument("--schedulers", type=name_list(SCHEDULERS + (COST_AWARE_IBS,), "scheduler"),
+                   default=",".join(SCHEDULERS), help=f"contenders; {COST_AWARE_IBS} (not in the "
+                   "default) is ibs with --cost-model, splitting a mixed step when two cost less")
+    p.add_argument("--cost-model", metavar="SPEC", help=f"the {COST_AWARE_IBS} contender's "
+                   "step-cost model: a cost model JSON (scripts/calibrate.py) or roofline:<hw>")
     p.add_argument("--batching", type=name_list(BATCHINGS, "batching policy"), default="fcfs",
                    help="batch-forming policies, each with every scheduler (rows "
                    f"'<scheduler>+<batching>'): {','.join(BATCHINGS)}")
@@ -162,6 +166,7 @@ class BenchConfig:
     workload: str  # "mixed" | "iter-retgen" | "shared-prefix"
     ratios: tuple  # ((embed, gen) weights, ...)
     schedulers: tuple
+    cost_model: str | None  # EngineConfig.cost_model of the ibs-cost contender
     clients: int
     requests: int
     min_gens: int
@@ -221,6 +226,14 @@ class BenchConfig:
         if need > model_max:
             parser.error(f"the requests need {need} positions; the model has "
                          f"max_position_embeddings={model_max}")
+        if (COST_AWARE_IBS in args.schedulers) != (args.cost_model is not None):
+            parser.error(f"--schedulers {COST_AWARE_IBS} and --cost-model go together (got "
+                         f"--schedulers {','.join(args.schedulers)}, --cost-model "
+                         f"{args.cost_model})")
+        if args.cost_model and not (args.cost_model.startswith("roofline:")
+                                    or os.path.isfile(args.cost_model)):
+            parser.error(f"argument --cost-model: {args.cost_model!r} is not a file or "
+                         "roofline:<hardware>")
         if args.chunk_size > args.token_budget:
             parser.error(f"--chunk-size {args.chunk_size} exceeds --token-budget "
                          f"{args.token_budget}")

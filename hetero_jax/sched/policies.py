@@ -225,6 +225,7 @@ class CostAwareIbsPolicy(IbsPolicy):
 
 
 POLICIES = {p.name: p for p in (IbsPolicy, FcfsPolicy, HomogeneousPolicy)}
+COST_AWARE_IBS = "ibs-cost"  # the sim's and the bench's name for ibs with a step-cost model
 
 
 def make_policy(name: str, step_cost=None) -> Policy:

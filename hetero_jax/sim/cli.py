@@ -31,6 +31,7 @@ import itertools
 import math
 
 from hetero_jax.sched import BATCHING, EMBED, GENERATE, POLICIES, SchedulerConfig
+from hetero_jax.sched.policies import COST_AWARE_IBS
 from hetero_jax.sched.router import ROUTERS, RouterConfig
 from hetero_jax.sim.costmodel import HARDWARE, MODELS, StepCost, load_cost_model
 from hetero_jax.sim.options import int_range, name_list, on_off, output_file, real_range, \
@@ -46,7 +47,6 @@ LIMITS = dict(budget=(1, 1 << 20), chunk=(1, 1 << 20), max_num_seqs=(1, 100_000)
               prompts_per_group=(1, 1_000_000), prefix_len=(0, 1 << 24), suffix_len=(1, 1 << 24),
               load_slack=(0, 1 << 40))
 LENGTH_SPECS = "128, 96,224, 96:0.55,224:0.45 or 64-256"
-COST_AWARE = "ibs-cost"  # ibs with the cost model as its step cost (sched's CostAwareIbsPolicy)
 
 
 def length_spec(text: str) -> str:
@@ -87,8 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
                                 "policies against a cost model and print what they give.")
     p.add_argument("--policy", default="ibs",
                    help=f"comma-separated policies, or 'all' ({', '.join(POLICIES)}, and "
-                   f"dedicated when --replicas >= 2); {COST_AWARE}: ibs that splits a mixed step "
-                   "when the cost model says two steps cost less (not in 'all')")
+                   f"dedicated when --replicas >= 2); {COST_AWARE_IBS}: ibs that splits a mixed "
+                   "step when the cost model says two steps cost less (not in 'all')")
     p.add_argument("--cost", default="roofline:h200",
                    help=f"roofline:<{'|'.join(HARDWARE)}> or a cost model JSON file")
     p.add_argument("--model", default="mistral-7b", choices=list(MODELS), help="roofline model")
@@ -161,7 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _policies(parser, args) -> tuple:
     """(policy names, embedding replicas of `dedicated`), or `parser.error`."""
-    known = list(POLICIES) + [COST_AWARE, "dedicated"]
+    known = list(POLICIES) + [COST_AWARE_IBS, "dedicated"]
     every = list(POLICIES) + (["dedicated"] if args.replicas >= 2 else [])
     policies = every if args.policy == "all" else list(dict.fromkeys(args.policy.split(",")))
     for name in policies:
@@ -243,9 +243,9 @@ def _configs(parser, args, cost) -> tuple:
         row = f"{name}+{batching}" if len(args.batching) > 1 else name
         for caching in args.prefix_caching:
             policy_sched = dataclasses.replace(
-                sched, policy={"dedicated": "fcfs", COST_AWARE: "ibs"}.get(name, name),
+                sched, policy={"dedicated": "fcfs", COST_AWARE_IBS: "ibs"}.get(name, name),
                 prefix_caching=caching, batching=batching,
-                step_cost=StepCost(cost, args.page_size) if name == COST_AWARE else None)
+                step_cost=StepCost(cost, args.page_size) if name == COST_AWARE_IBS else None)
             for (suffix, wl), (at, router) in itertools.product(workloads, routers):
                 names.append(f"{row}{'/no-cache' if both and not caching else ''}{suffix}{at}")
                 configs.append(SimConfig(policy_sched, wl, args.replicas,
