@@ -392,6 +392,80 @@ def test_packing_sim_gen_throughput_tracks_fill_in_one_queue_and_not_in_split_qu
         packing.main(["--queues", "split"])
 
 
+# Generations of 128 + 256 tokens at 64-token chunks and 8 decode tokens a step spend ~34 steps
+# in the engine, so at 0.2 arrivals/step ~7 are inside: over 2,000 steps (~400 arrivals) the
+# finished count and the arrived count of one window differ by at most ~7, under 2%: rel=0.03.
+OPEN_LOOP = ["--arrivals", "open", "--gen-rate", "20", "--embed-rate", "10", "--embed-lengths",
+             "96,256", "--atomic-wait", "skip", "--steps", "2000", "--warmup", "500"]
+
+
+@pytest.mark.parametrize("queues", [[], ["--queues", "split", "--max-seqs", "16"]])
+def test_packing_sim_open_loop_generation_finishes_at_its_arrival_rate(queues):
+    """Atomic embeddings of the whole budget never fit beside the decodes and wait (the end's
+    queue holds them), chunked ones run: chunked fill is higher, generation is not moved."""
+    res = load_script("packing_sim").main(OPEN_LOOP + queues)
+    a, c = res["atomic"], res["chunked"]
+    for r in (a, c):
+        assert r["gen_arrivals"] == pytest.approx(0.2, rel=0.1)  # 20/s at 10 ms; 2 sd of 400
+        assert r["gen_throughput"] == pytest.approx(r["gen_arrivals"], rel=0.03)
+    assert c["embed_throughput"] == pytest.approx(c["embed_arrivals"], rel=0.05)
+    assert c["embed_waiting"] == 0 and a["embed_waiting"] > 20
+    assert c["budget_fill"] >= a["budget_fill"]
+    assert c["embed_throughput"] > a["embed_throughput"]
+
+
+def test_packing_sim_open_loop_reproduces_table_8():
+    """The docs' command, fewer steps: the paper's 8.8% -> 85.7% fill, 93.3 generation
+    requests/s both, 25.5 -> 26.9 embedding requests/s."""
+    res = load_script("packing_sim").main([
+        "--arrivals", "open", "--gen-rate", "93.3", "--embed-rate", "26.9", "--step-ms", "550",
+        "--process", "fixed", "--budget", "32768", "--chunk", "4096", "--embed-lengths",
+        "30,32768", "--embed-long-frac", "0.052", "--prefill", "32", "--decode", "16",
+        "--decode-step", "1", "--atomic-wait", "skip", "--steps", "1000", "--warmup", "300"])
+    a, c = res["atomic"], res["chunked"]
+    per_s = 1000 / 550
+    assert a["budget_fill"] == pytest.approx(0.088, abs=0.01)
+    # ~1,000 long embeddings arrive in 1,300 steps, Bernoulli(0.052) each: +-3% (1 sd) on
+    # the long tokens, which are nearly all of chunked's fill; 2 sd is 0.05 of the 0.857.
+    assert c["budget_fill"] == pytest.approx(0.857, abs=0.05)
+    for r in (a, c):  # fixed intervals: 51,315 and 14,795 arrivals, +-1 (Poisson: +-226, 122)
+        assert r["gen_arrivals"] * per_s == pytest.approx(93.3, rel=1e-3)
+        assert r["embed_arrivals"] * per_s == pytest.approx(26.9, rel=1e-3)
+        assert r["gen_throughput"] * per_s == pytest.approx(93.3, rel=0.01)
+    assert c["embed_throughput"] / a["embed_throughput"] == pytest.approx(26.9 / 25.5, abs=0.02)
+
+
+def test_packing_sim_open_arrivals_join_the_queue_in_arrival_order():
+    """Fixed gaps of 0.25 steps (embeddings) and 0.4 (generation): step 0 gets E.25 G.4 E.5
+    E.75 G.8 in that order; step 1, from 1.0 to just before 2.0, E1 G1.2 E1.25 E1.5 G1.6 E1.75."""
+    packing = load_script("packing_sim")
+    args = packing.parse_args(["--arrivals", "open", "--process", "fixed", "--step-ms", "1000",
+                               "--gen-rate", "2.5", "--embed-rate", "4"])
+    arrivals, queues = packing.OpenArrivals(args), {"all": []}
+    assert arrivals.arrive(0, queues) == {"gen": 2, "embed": 3}
+    assert [r.embed for r in queues["all"]] == [True, False, True, True, False]
+    assert arrivals.arrive(1, queues) == {"gen": 2, "embed": 4}
+    assert [r.embed for r in queues["all"][5:]] == [True, False, True, True, False, True]
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--gen-rate", "-1"], "--gen-rate must be a finite rate >= 0 requests/s, got -1.0"),
+    (["--embed-rate", "nan"], "--embed-rate must be a finite rate >= 0 requests/s, got nan"),
+    (["--gen-rate", "0", "--embed-rate", "0"], "--gen-rate 0 and --embed-rate 0: no request"),
+    (["--step-ms", "0"], "--step-ms must be a positive number of milliseconds, got 0.0"),
+    (["--embed-rate", None], "--arrivals open needs --embed-rate (requests/s)"),
+    (["--arrivals", "backlog"], "--gen-rate needs --arrivals open"),
+])
+def test_packing_sim_bad_rates_are_argparse_errors_naming_the_value(flags, message, capsys):
+    argv = ["--arrivals", "open", "--gen-rate", "20", "--embed-rate", "6"]
+    for flag, value in zip(flags[::2], flags[1::2]):
+        i = argv.index(flag) if flag in argv else len(argv)
+        argv[i:i + 2] = [] if value is None else [flag, value]
+    with pytest.raises(SystemExit) as e:
+        load_script("packing_sim").main(argv)
+    assert e.value.code == 2 and message in capsys.readouterr().err
+
+
 def test_bench_hol_sim_only_meets_the_targets_and_imports_no_jax(tmp_path):
     """32 generation requests (128 + 256 tokens, the bench's shape) then 32 embeddings at t=0.
     FCFS gives every sequence slot to generation, so embeddings wait for whole decodes;
