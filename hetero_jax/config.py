@@ -58,8 +58,12 @@ class EngineConfig:
     layer_loop: str = "auto"  # auto (unrolled on CPU, scan elsewhere) | scan | unrolled
     token_buckets: tuple | None = None  # None: powers of two from 16 up to token_budget
     seq_buckets: tuple | None = None  # None: powers of two from 8 up to max_num_seqs
-    page_buckets: tuple | None = None  # None: powers of four from 4 up to max_model_len pages
-    chunk_seq_buckets: tuple | None = None  # None: (0, 1, max_chunk_seqs)
+    # The default bucket lists keep the variants few (78 for the defaults: each costs ~2 s of
+    # compile on a CPU): pages in powers of four from 8 (128 tokens) up, and chunk slots 0
+    # (a decode-only step) or all of them (one chunk pads to max_chunk_seqs, which costs a
+    # fresh chunk's few keys, where a third Sc bucket would add a third of the variants).
+    page_buckets: tuple | None = None  # None: powers of four from 8 up to max_model_len pages
+    chunk_seq_buckets: tuple | None = None  # None: (0, max_chunk_seqs)
     seed: int = 0
     prefix_caching: bool = True  # reuse the K/V (and pooler sums) of cached prompt prefixes
     # Cascade attention in decode-only steps: decode sequences sharing pages are cut into tiles
@@ -67,6 +71,11 @@ class EngineConfig:
     # least `cascade_min_pages` page reads. cascade_rows=0 turns it off.
     cascade_rows: int = 8
     cascade_min_pages: int = 16
+    # JAX's persistent compilation cache (process-wide; the first directory set holds):
+    # "auto" keeps the one already set, else $XDG_CACHE_HOME/hetero-jax/xla (~/.cache/...);
+    # a directory; or None to leave jax as it is. A second process of the same configuration
+    # then compiles nothing in warmup().
+    compile_cache: str | None = "auto"
     # buffered_head(hidden [max_model_len, d], length) -> [d]: a jittable function of all of an
     # embedding input's hidden states (rows past `length` are stale), for PoolingParams(
     # pooling="buffered"). Enabling it keeps max_num_seqs x max_model_len x d floats on device.
@@ -97,6 +106,10 @@ class EngineConfig:
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be one of {choices}")
         require_bool("prefix_caching", self.prefix_caching)
+        if self.compile_cache is not None and (not isinstance(self.compile_cache, str)
+                                               or not self.compile_cache):
+            raise ValueError(f"compile_cache={self.compile_cache!r} must be 'auto', a directory "
+                             "or None")
         if not isinstance(self.scheduler, str):
             raise ValueError(f"scheduler={self.scheduler!r} must be a policy name (a string)")
         check_batching(self.batching)
@@ -133,8 +146,8 @@ class EngineConfig:
             seq_buckets=tuple(sorted(self.seq_buckets or _powers_of_two(
                 min(8, self.max_num_seqs), self.max_num_seqs))),
             page_buckets=tuple(sorted(self.page_buckets or _powers_of_two(
-                min(4, pages_per_seq), pages_per_seq, factor=4))),
-            chunk_seq_buckets=tuple(sorted(self.chunk_seq_buckets or {0, 1, self.max_chunk_seqs})))
+                min(8, pages_per_seq), pages_per_seq, factor=4))),
+            chunk_seq_buckets=tuple(sorted(self.chunk_seq_buckets or {0, self.max_chunk_seqs})))
         for name, need in (("token_buckets", self.token_budget), ("seq_buckets", self.max_num_seqs),
                            ("page_buckets", pages_per_seq),
                            ("chunk_seq_buckets", self.max_chunk_seqs)):
@@ -148,18 +161,26 @@ class EngineConfig:
         return s // rows, rows
 
     def variants(self) -> list:
-        """Every reachable (T, S, Sc, pages_per_seq, shared_pages): S sequences need at least S
-        tokens; shared_pages > 0 (cascade attention) only in decode-only steps (Sc = 0, T and S
-        the buckets of one token per sequence), whose pages_per_seq counts the pages after the
-        shared ones."""
-        out = set()
-        for t, s, sc, p in itertools.product(self.token_buckets, self.seq_buckets,
-                                             self.chunk_seq_buckets, self.page_buckets):
-            if s <= pad_to_bucket(min(t, self.max_num_seqs), self.seq_buckets):
-                out.add((t, s, min(sc, s), p, 0))
+        """Every reachable (T, S, Sc, pages_per_seq, shared_pages), and no other: a step holds
+        d decode tokens and c chunks (0 <= c <= max_chunk_seqs, d + c <= max_num_seqs) of
+        1..chunk_size tokens each, at most token_budget in all; shared_pages > 0 (cascade
+        attention) only in decode-only steps (Sc = 0) of at least two sequences, whose
+        pages_per_seq counts the pages after the shared ones."""
+        steps = set()  # (T, S, Sc)
+        for c in range(min(self.max_chunk_seqs, self.max_num_seqs) + 1):
+            sc = pad_to_bucket(c, self.chunk_seq_buckets)
+            for d in range(0 if c else 1, self.max_num_seqs - c + 1):
+                lo, hi = d + c, min(self.token_budget, d + c * self.chunk_size)
+                if lo > hi:
+                    continue
+                s = pad_to_bucket(d + c, self.seq_buckets)
+                steps.update((t, s, min(sc, s)) for t in self.token_buckets
+                             if pad_to_bucket(lo, self.token_buckets) <= t
+                             <= pad_to_bucket(hi, self.token_buckets))
+        out = {(t, s, sc, p, 0) for t, s, sc in steps for p in self.page_buckets}
         if self.cascade_rows:
             decode_only = {(pad_to_bucket(n, self.token_buckets), pad_to_bucket(n, self.seq_buckets))
-                           for n in range(2, min(self.max_num_seqs, self.token_buckets[-1]) + 1)}
+                           for n in range(2, min(self.max_num_seqs, self.token_budget) + 1)}
             out.update((t, s, 0, p, ps) for t, s in decode_only
                        for p, ps in itertools.product(self.page_buckets, self.page_buckets))
         return sorted(out)

@@ -39,8 +39,9 @@ class EngineStats:
     generated_tokens: int = 0
     step_time_s: float = 0.0
     preemptions: int = 0
-    compiles: int = 0
-    compile_s: float = 0.0  # part of step_time_s spent compiling new variants
+    compiles: int = 0  # step variants built in this process: compiled, or loaded from disk
+    compile_loads: int = 0  # of those, loaded from the persistent compilation cache
+    compile_s: float = 0.0  # part of step_time_s (and warm-up) spent compiling and loading
     # prefix cache: admissions that looked up, the prompt tokens they asked for and found,
     # and cached pages evicted to make room
     cache_queries: int = 0

@@ -1,4 +1,5 @@
 import atexit
+import os
 import shutil
 import tempfile
 
@@ -9,13 +10,16 @@ from tests.hf_models import save_model
 
 # One persistent XLA cache for the session, set before any test module computes anything:
 # engines of the same configuration in different tests then compile each step variant once.
-# A fresh directory, removed at exit, so nothing carries over between sessions.
+# A fresh directory, removed at exit, so nothing carries over between sessions; exported, so
+# the subprocesses tests start use it too (and EngineConfig(compile_cache="auto") keeps it:
+# no test writes the user's ~/.cache).
 _XLA_CACHE = tempfile.mkdtemp(prefix="hetero-jax-tests-xla-")
 atexit.register(shutil.rmtree, _XLA_CACHE, ignore_errors=True)
 for _key, _value in dict(jax_compilation_cache_dir=_XLA_CACHE,
                          jax_persistent_cache_min_compile_time_secs=0.0,
                          jax_persistent_cache_min_entry_size_bytes=0).items():
     jax.config.update(_key, _value)
+    os.environ[_key.upper()] = str(_value)
 
 
 @pytest.fixture(scope="session")

@@ -77,7 +77,8 @@ def test_bench_output_check_leaves_nothing_behind_and_accepts_what_can_be_writte
     assert (cfg.json, cfg.plot) == (str(tmp_path / "new/sub/b.json"), str(existing))
     assert sorted(os.listdir(tmp_path)) == before and existing.read_text() == "{}"
     assert bench_cli.parse_config(["--preset", "tiny", "--compile-cache", "none"]).compile_cache \
-        == "none"
+        is None
+    assert bench_cli.parse_config(["--preset", "tiny"]).engine_config().compile_cache == "auto"
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="no /proc")

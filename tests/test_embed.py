@@ -74,7 +74,8 @@ def test_poolers_equal_transformers_last_hidden_state(hf_model):
 @pytest.mark.slow  # ~30 s: every variant; tests/test_generate.py keeps the default-suite one
 def test_zero_compiles_after_warmup_with_embeddings():
     engine = Engine.from_preset("tiny", config=config(16))
-    n = engine.warmup()
+    engine.warmup()
+    compiled = engine.stats.compiles - engine.stats.compile_loads
     rng = np.random.default_rng(2)
     reqs = []
     for i in range(10):
@@ -82,7 +83,7 @@ def test_zero_compiles_after_warmup_with_embeddings():
         reqs.append(EmbedRequest(x, PoolingParams(POOLINGS[i % 4])) if i % 2 else
                     GenerateRequest(x, SamplingParams(max_tokens=int(rng.integers(1, 30)))))
     engine.run(reqs, use_tqdm=False)
-    assert engine.stats.compiles == n
+    assert engine.stats.compiles - engine.stats.compile_loads == compiled, "a step compiled"
 
 
 @pytest.mark.parametrize("x,kw,match", [

@@ -38,20 +38,6 @@ from hetero_jax.sim.options import write_json
 from hetero_jax.sim.report import format_table
 
 
-def enable_compile_cache(path: str) -> None:
-    """Persistent XLA cache for this process and the worker processes it starts."""
-    if path == "none":
-        return
-    import jax
-
-    os.makedirs(path, exist_ok=True)
-    values = dict(jax_compilation_cache_dir=path, jax_persistent_cache_min_compile_time_secs=0.0,
-                  jax_persistent_cache_min_entry_size_bytes=0)
-    for key, value in values.items():
-        os.environ[key.upper()] = str(value)  # read by the workers' jax at import
-        jax.config.update(key, value)
-
-
 class Contender:
     """One scheduler's engine (with prefix caching on or off, a batching policy, cascade
     attention on or off) and how to make a closed-loop front for it; named by its scheduler,
@@ -146,7 +132,6 @@ def workload_items(cfg: BenchConfig) -> tuple[list, list | None]:
 
 def run_bench(cfg: BenchConfig) -> dict:
     """Build every contender, warm them up, serve each workload list with each one."""
-    enable_compile_cache(cfg.compile_cache)
     engine_config = cfg.engine_config()
     t0 = time.perf_counter()
     batchings = [(b, None) for b in cfg.batching if b != "each-arm"] + (

@@ -18,8 +18,8 @@ from hetero_jax.bench.workloads import MixedWorkload, synthetic_iter_retgen
 from hetero_jax.sched.bandit import DEFAULT_ARMS, make_arms
 from hetero_jax.sched.batching import BATCHING
 from hetero_jax.sched.policies import COST_AWARE_IBS
-from hetero_jax.sim.options import int_range, name_list, on_off, output_dir, output_file, \
-    real_range
+from hetero_jax.sim.options import compile_cache_dir, int_range, name_list, on_off, \
+    output_file, real_range
 
 SCHEDULERS = ("ibs", "fcfs", "homogeneous", "dedicated")  # the default contenders
 BATCHINGS = BATCHING + ("each-arm",)  # each-arm: feather with every --arms arm fixed, one row each
@@ -31,17 +31,11 @@ LIMITS = dict(clients=(1, 1024), requests=(1, 100_000), min_gens=(0, 100_000), r
               instruction_len=(0, 8192), chunk_pages=(1, 1024))
 QUICK = dict(clients=4, requests=8, min_gens=2, embed_len=16, prompt_len=16, output_len=16,
              warmup=0, token_budget=16, chunk_size=16, max_num_seqs=8, max_chunk_seqs=1)
-_DEFAULT_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "hetero-jax", "xla")
 
 
 def int_in(name: str):
     """An argparse type: an integer within `LIMITS[name]`."""
     return int_range(*LIMITS[name])
-
-
-def compile_cache_dir(text: str) -> str:
-    """An argparse type: 'none', or a directory that exists or can be created, and written."""
-    return text if text == "none" else output_dir(text)
 
 
 def parse_ratios(text: str) -> list:
@@ -147,8 +141,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--baseline", choices=["hf"], help="also run transformers on PyTorch CPU "
                    "on the same weights and requests (mixed workload)")
     p.add_argument("--seed", type=int_in("seed"), default=0)
-    p.add_argument("--compile-cache", type=compile_cache_dir, default=_DEFAULT_CACHE,
-                   metavar="DIR", help="persistent XLA compilation cache ('none' disables)")
+    p.add_argument("--compile-cache", type=compile_cache_dir, default="auto", metavar="DIR",
+                   help="persistent XLA compilation cache: 'auto' ($XDG_CACHE_HOME or "
+                   "~/.cache, /hetero-jax/xla), a directory, or 'none'")
     p.add_argument("--json", type=output_file, metavar="PATH",
                    help="write {config, results} here")
     p.add_argument("--plot", type=output_file, metavar="PATH", help="write a PNG plot here")
@@ -195,7 +190,7 @@ class BenchConfig:
     warmup: int
     baseline: str | None
     seed: int
-    compile_cache: str
+    compile_cache: str | None  # EngineConfig.compile_cache
     json: str | None
     plot: str | None
     no_progress: bool
@@ -259,6 +254,7 @@ class BenchConfig:
         return EngineConfig(token_budget=self.token_budget, chunk_size=self.chunk_size,
                             max_num_seqs=self.max_num_seqs, max_chunk_seqs=self.max_chunk_seqs,
                             max_model_len=self.max_model_len, seed=self.seed,
+                            compile_cache=self.compile_cache,
                             feather=FeatherConfig(chunk_pages=self.chunk_pages, arms=self.arms))
 
 

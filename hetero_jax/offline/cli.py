@@ -31,11 +31,11 @@ from hetero_jax.offline.journal import ErrorLog, OutputError, OutputJournal
 from hetero_jax.offline.replica_front import ReplicaFront
 from hetero_jax.offline.rows import InputError, check_input, read_rows
 from hetero_jax.sched import POLICIES
-from hetero_jax.sim.options import int_range, output_dir, output_file, output_problem
+from hetero_jax.sim.options import compile_cache_dir, int_range, output_file, \
+    output_problem
 
 LIMITS = dict(token_budget=(1, 8192), chunk_size=(1, 8192), max_num_seqs=(1, 1024),
               max_in_flight=(1, 1_000_000), seed=(0, 2**32 - 1), replicas=(1, 1024))
-DEFAULT_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "hetero-jax", "xla")  # bench's
 ERRORS_SUFFIX = ".errors.jsonl"
 
 
@@ -43,10 +43,6 @@ def model_dir(text: str) -> str:
     if not os.path.isdir(text):
         raise argparse.ArgumentTypeError(f"{text!r} is not a directory")
     return text
-
-
-def compile_cache(text: str) -> str:
-    return text if text == "none" else output_dir(text)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -86,9 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="weights and activations")
     p.add_argument("--seed", type=ints["seed"], default=0,
                    help="weights (preset) and the sampling seed of prompt rows without one")
-    p.add_argument("--compile-cache", type=compile_cache, default=DEFAULT_CACHE, metavar="DIR",
-                   help="persistent XLA compilation cache, shared with the bench ('none' "
-                   "disables)")
+    p.add_argument("--compile-cache", type=compile_cache_dir, default="auto", metavar="DIR",
+                   help="persistent XLA compilation cache, shared with the bench: 'auto' "
+                   "($XDG_CACHE_HOME or ~/.cache, /hetero-jax/xla), a directory, or 'none'")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 
@@ -146,7 +142,7 @@ def make_front(args):
 
     cfg = EngineConfig(token_budget=args.token_budget, chunk_size=args.chunk_size,
                        max_num_seqs=args.max_num_seqs, dtype=args.dtype,
-                       scheduler=args.scheduler, seed=args.seed)
+                       scheduler=args.scheduler, seed=args.seed, compile_cache=args.compile_cache)
     in_flight = args.max_in_flight or 4 * cfg.max_num_seqs * args.replicas
     if args.ray is not None:
         from hetero_jax.serving.ray_replicas import RayReplicaSet
@@ -192,9 +188,6 @@ def _run(parser, args, plan: Plan, start: float) -> int:
     print(f"input: {args.input}; {plan.rows} rows to run, {done} already in {args.output}"
           + (f" (a torn last line of {plan.journal.dropped_bytes} bytes, left by a killed "
              "run, was cut)" if plan.journal.dropped_bytes else ""), flush=True)
-    if args.compile_cache != "none":
-        from hetero_jax.bench.cli import enable_compile_cache
-        enable_compile_cache(args.compile_cache)
     try:
         front, engine, line = make_front(args)
     except (ValueError, FileNotFoundError) as e:

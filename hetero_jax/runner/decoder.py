@@ -7,9 +7,12 @@ one pooled vector per embedding request whose last chunk ran. The step is
 so XLA updates it in place; `packed` (layout: `packed.PackedLayout`) is the only device->host
 copy. Token layout of a step (sorted by kind): embedding chunks, prefill chunks, decode
 tokens, padding (`batch.pack_batch`). Executables are compiled ahead of time per bucket
-variant `(T, S, Sc, pages_per_seq, shared_pages)` and kept in an `ExecutableCache`, so
-`compiles` is exact and `Engine.warmup()` can build every variant. The runner allocates nothing: pages and pooler
-slots come from the scheduler inside the items.
+variant `(T, S, Sc, pages_per_seq, shared_pages)` and kept in an `ExecutableCache` (bounded
+by the process's memory mappings), so `compiles` is exact and `warmup(keys)` can build every
+variant; with the persistent compilation cache on (`EngineConfig.compile_cache`), a
+`WarmManifest` lets a second process of the same configuration skip the variants already on
+disk. The runner allocates nothing: pages and pooler slots come from the scheduler inside the
+items.
 """
 from __future__ import annotations
 
@@ -29,7 +32,7 @@ from hetero_jax.models.layers import for_layer_loop, is_unrolled
 from hetero_jax.ops import ragged_paged_attention
 from hetero_jax.runner import pooler
 from hetero_jax.runner.batch import StepBatch, batch_spec, pack_batch
-from hetero_jax.runner.executables import ExecutableCache
+from hetero_jax.runner.executables import ExecutableCache, WarmManifest, enable_compile_cache
 from hetero_jax.runner.packed import PackedLayout
 from hetero_jax.runner.sampler import sample
 from hetero_jax.sched import EMBED, RunnerOutput
@@ -69,6 +72,13 @@ def step(params, state: DeviceState, batch: StepBatch, *, model_cfg: ModelConfig
     return DeviceState(kv, pool, side), layout.pack(rows, vectors)
 
 
+def _written_to_disk() -> bool:
+    """Whether jax writes every compiled executable to the persistent cache (its size and
+    compile-time thresholds are off, as `enable_compile_cache` sets them)."""
+    return (jax.config.jax_persistent_cache_min_compile_time_secs <= 0
+            and jax.config.jax_persistent_cache_min_entry_size_bytes <= 0)
+
+
 class DecoderRunner:
     """Owns the params and the device state (KV cache, pooler); runs steps; counts compiles."""
 
@@ -92,11 +102,41 @@ class DecoderRunner:
         self.impl = ("pallas" if backend == "gpu" else "xla") if impl == "auto" else impl
         self.interpret = self.impl == "pallas" and backend != "gpu"  # Pallas off-GPU: interpret
         self.executable = ExecutableCache(self._compile)
+        self.compile_cache = enable_compile_cache(cfg.compile_cache)
         self.cascade_steps = 0
 
     @property
     def compiles(self) -> int:
-        return len(self.executable)
+        return self.executable.builds
+
+    @property
+    def compile_loads(self) -> int:
+        return self.executable.loads
+
+    def manifest(self) -> WarmManifest | None:
+        """The record of this configuration's variants on disk (None: no persistent cache, or
+        a `buffered_head`, whose code the fingerprint cannot see)."""
+        if not self.compile_cache or self.cfg.buffered_head is not None:
+            return None
+        shapes = jax.tree.map(lambda x: (x.shape, str(x.dtype)), self.params)
+        return WarmManifest(self.compile_cache, WarmManifest.fingerprint(
+            type(self).__name__, self.model_cfg, self.cfg, shapes, self.impl, self.interpret,
+            repr(getattr(self, "mesh", None))))
+
+    def warmup(self, keys: list) -> int:
+        """Build every variant of `keys` that is neither held nor recorded on disk; returns how
+        many were built (compiled, or loaded from the persistent cache)."""
+        manifest = self.manifest()
+        on_disk = manifest.keys() if manifest else set()
+        built = 0
+        for key in keys:
+            if key in self.executable or key in on_disk:
+                continue
+            self.executable(key)
+            built += 1
+            if manifest and _written_to_disk():
+                manifest.add([key])
+        return built
 
     @property
     def compile_s(self) -> float:

@@ -1,28 +1,166 @@
-"""Ahead-of-time executables, one per bucket variant, with a compile count and time.
+"""Ahead-of-time executables, one per bucket variant, over JAX's persistent compilation cache.
 
-Not JAX's persistent compilation cache (`jax_compilation_cache_dir`, the bench's
-`--compile-cache`): this is the in-process table from a variant key to its compiled step.
+`ExecutableCache(build)`: `cache(key)` returns the executable of a variant, building it on
+first use; it counts builds and, among them, loads from the persistent cache (a jax cache-hit
+event during the build marks a load), and the seconds spent on both.
+
+Memory mappings bound what a process can hold: XLA:CPU maps three regions per kernel (code,
+read-only data, data), about 350-540 per variant of the small preset, and Linux allows
+`vm.max_map_count` (65,530 here) per process; holding all 216 default variants crashed near
+that limit. The cache therefore drops the least recently used executables while the process
+holds more than `max_maps` mappings (default: half the limit); a dropped variant is rebuilt on
+its next use, from the persistent cache in about 0.5 s when that is on.
+
+`enable_compile_cache(path)` turns the persistent cache on for the process (and the worker
+processes it starts); `WarmManifest` records, per engine configuration, which variants are on
+disk, so that a second process of the same configuration skips them in `warmup()`.
 """
 from __future__ import annotations
 
+import collections
+import hashlib
+import json
+import os
+import threading
 import time
+import warnings
 from collections.abc import Callable
+
+import jax
+from jax import monitoring
+
+_HIT_EVENT = "/jax/compilation_cache/cache_hits"
+_hits = threading.local()  # per thread: persistent-cache hits seen so far
+
+
+def _on_event(event: str, **kwargs) -> None:
+    if event == _HIT_EVENT:
+        _hits.n = getattr(_hits, "n", 0) + 1
+
+
+monitoring.register_event_listener(_on_event)
+
+
+def process_maps() -> int | None:
+    """Memory mappings this process holds (None where /proc is absent)."""
+    try:
+        with open("/proc/self/maps", "rb") as f:
+            return sum(1 for _ in f)
+    except OSError:
+        return None
+
+
+def default_max_maps() -> int | None:
+    """Half of `vm.max_map_count` (None where it cannot be read: no bound)."""
+    try:
+        with open("/proc/sys/vm/max_map_count") as f:
+            return int(f.read()) // 2
+    except (OSError, ValueError):
+        return None
 
 
 class ExecutableCache:
-    """`cache(key)` returns the executable of a variant, building it on first use."""
+    """`cache(key)` returns the executable of a variant, building it on first use and holding
+    at most what `max_maps` allows (least recently used dropped first; at least one kept)."""
 
-    def __init__(self, build: Callable):
+    def __init__(self, build: Callable, max_maps: int | None = None):
         self._build = build  # key -> compiled executable
-        self._executables: dict = {}
-        self.seconds = 0.0  # spent compiling
+        self._held: collections.OrderedDict = collections.OrderedDict()
+        self.max_maps = default_max_maps() if max_maps is None else max_maps
+        self.built: set = set()  # every key built in this process
+        self.builds = 0  # compiled, or loaded from the persistent cache
+        self.loads = 0  # builds served by the persistent cache
+        self.dropped = 0  # executables released under the mapping bound
+        self.seconds = 0.0  # spent compiling and loading
 
     def __len__(self) -> int:
-        return len(self._executables)
+        return len(self._held)
+
+    def __contains__(self, key: tuple) -> bool:
+        return key in self._held
 
     def __call__(self, key: tuple):
-        if key not in self._executables:
-            start = time.perf_counter()
-            self._executables[key] = self._build(key)
-            self.seconds += time.perf_counter() - start
-        return self._executables[key]
+        if key in self._held:
+            self._held.move_to_end(key)
+            return self._held[key]
+        start, hits = time.perf_counter(), getattr(_hits, "n", 0)
+        executable = self._build(key)
+        self.seconds += time.perf_counter() - start
+        self.builds += 1
+        self.loads += getattr(_hits, "n", 0) > hits
+        self.built.add(key)
+        self._held[key] = executable
+        self._release()
+        return executable
+
+    def _release(self) -> None:
+        while len(self._held) > 1 and self.max_maps and (process_maps() or 0) > self.max_maps:
+            self._held.popitem(last=False)
+            self.dropped += 1
+
+
+def default_compile_cache() -> str:
+    """$XDG_CACHE_HOME/hetero-jax/xla, or ~/.cache/hetero-jax/xla."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "hetero-jax", "xla")
+
+
+def enable_compile_cache(path: str | None) -> str | None:
+    """Persistent XLA cache in `path` for this process and the workers it starts; "auto": the
+    one already set (by the user or an earlier engine), else `default_compile_cache()`; None or
+    "none": leave jax as it is. Returns the directory in use (None: off). The cache is
+    process-wide: the first directory set holds."""
+    current = jax.config.jax_compilation_cache_dir
+    if path in (None, "none"):
+        return current
+    if path == "auto":
+        if current:
+            return current
+        path = default_compile_cache()
+    if current and os.path.abspath(current) != os.path.abspath(path):
+        warnings.warn(f"compile_cache={path!r} not used: this process already caches compiles "
+                      f"in {current!r} (JAX's cache is process-wide; the first one set holds)",
+                      stacklevel=3)
+        return current
+    os.makedirs(path, exist_ok=True)
+    values = dict(jax_compilation_cache_dir=path, jax_persistent_cache_min_compile_time_secs=0.0,
+                  jax_persistent_cache_min_entry_size_bytes=0)
+    for name, value in values.items():
+        os.environ[name.upper()] = str(value)  # read by the workers' jax at import
+        jax.config.update(name, value)
+    return path
+
+
+class WarmManifest:
+    """Which variants of one configuration are in the persistent cache directory `root`:
+    `<root>/hetero-jax-warm/<fingerprint>.json`, a sorted list of variant keys. The
+    fingerprint covers everything a compile depends on (jax, backend, XLA flags, model and
+    engine configuration, parameter shapes), so a stale entry cannot match."""
+
+    def __init__(self, root: str, fingerprint: str):
+        self.path = os.path.join(root, "hetero-jax-warm", fingerprint + ".json")
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def fingerprint(*parts) -> str:
+        devices = [d.device_kind for d in jax.devices()]
+        text = repr((jax.__version__, jax.default_backend(), devices,
+                     os.environ.get("XLA_FLAGS", ""), parts))
+        return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
+
+    def keys(self) -> set:
+        try:
+            with open(self.path) as f:
+                return {tuple(k) for k in json.load(f)}
+        except (OSError, ValueError):
+            return set()
+
+    def add(self, keys) -> None:
+        """Record `keys` (written atomically: a killed process leaves the old list)."""
+        with self._lock:
+            merged = sorted(self.keys() | {tuple(k) for k in keys})
+            os.makedirs(os.path.dirname(self.path), exist_ok=True)
+            tmp = f"{self.path}.{os.getpid()}.tmp"
+            with open(tmp, "w") as f:
+                json.dump(merged, f)
+            os.replace(tmp, self.path)

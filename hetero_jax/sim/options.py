@@ -93,6 +93,15 @@ def output_dir(text: str) -> str:
     return text
 
 
+def compile_cache_dir(text: str) -> str | None:
+    """An argparse type for `--compile-cache`: 'auto' (the default directory, see
+    `EngineConfig.compile_cache`), 'none' (None: off), or a directory that exists or can be
+    created, and can be written."""
+    if text in ("auto", "none"):
+        return None if text == "none" else text
+    return output_dir(text)
+
+
 def write_json(path: str, data, **kwargs) -> None:
     """`data` as JSON at `path`, creating the directories on the way."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)

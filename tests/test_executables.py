@@ -1,0 +1,130 @@
+"""Step variants and their executables: exactly the reachable variants, a cache bounded by the
+process's memory mappings, and a second process that compiles nothing (persistent cache)."""
+import itertools
+import json
+import os
+import subprocess
+import sys
+import warnings
+
+import pytest
+
+from hetero_jax import EngineConfig
+from hetero_jax.runner.batch import variant_of
+from hetero_jax.runner.executables import ExecutableCache, enable_compile_cache
+from hetero_jax.sched import DECODE, PREFILL, ScheduledItem
+
+
+def _item(kind, num_tokens, pages):
+    start = pages * 16 - num_tokens  # the item's last token ends its last page
+    return ScheduledItem(0, kind, start, num_tokens, True, pages=tuple(range(1, pages + 1)))
+
+
+def test_variants_are_exactly_the_reachable_steps():
+    """Every split of a step into d decodes and c chunks of 1..chunk_size tokens under the
+    budget lands in variants(), and every plain variant is the key of such a step."""
+    cfg = EngineConfig(token_budget=48, chunk_size=16, max_num_seqs=12, max_chunk_seqs=3,
+                       page_size=16, max_model_len=512, cascade_rows=0,
+                       token_buckets=(8, 16, 32, 48), seq_buckets=(4, 8, 12),
+                       chunk_seq_buckets=(0, 1, 3)).resolve(512, 64)
+    seen = set()
+    for c in range(cfg.max_chunk_seqs + 1):
+        for d in range(0 if c else 1, cfg.max_num_seqs - c + 1):
+            for lengths in itertools.combinations_with_replacement(range(1, 17), c):
+                if d + sum(lengths) > cfg.token_budget:
+                    continue
+                for pages in cfg.page_buckets:
+                    items = ([_item(PREFILL, n, pages) for n in lengths]
+                             + [_item(DECODE, 1, pages) for _ in range(d)])
+                    seen.add(variant_of(items, cfg)[0])
+    assert seen == set(cfg.variants())
+
+
+def test_default_variants_stay_few():
+    """The defaults compile 78 variants (51 plain, 27 cascade), not the 216 of the full
+    product of the old bucket lists, whose warm-up crashed near vm.max_map_count."""
+    variants = EngineConfig().resolve(2048, 6144).variants()
+    assert (len(variants), sum(v[4] > 0 for v in variants)) == (78, 27)
+
+
+def test_cache_drops_least_recently_used_under_the_mapping_bound():
+    built = []
+    cache = ExecutableCache(lambda key: built.append(key) or f"exe{key}", max_maps=1)
+    assert [cache(k) for k in (1, 2, 3)] == ["exe1", "exe2", "exe3"]
+    assert len(cache) == 1 and 3 in cache and cache.dropped == 2  # at least one kept
+    assert cache(1) == "exe1" and built == [1, 2, 3, 1] and cache.builds == 4
+    unbounded = ExecutableCache(lambda key: key, max_maps=0)
+    for k in range(5):
+        unbounded(k)
+    unbounded(0)
+    assert len(unbounded) == 5 and unbounded.builds == 5 and unbounded.dropped == 0
+
+
+def test_compile_cache_settings():
+    current = enable_compile_cache("auto")  # the test session's directory (conftest.py)
+    assert current and enable_compile_cache(None) == current == enable_compile_cache("none")
+    with pytest.warns(UserWarning, match="not used: this process already caches compiles"):
+        assert enable_compile_cache("/tmp/elsewhere") == current
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert enable_compile_cache(current) == current
+    for bad in ("", 3):
+        with pytest.raises(ValueError, match=f"compile_cache={bad!r} must be 'auto'"):
+            EngineConfig(compile_cache=bad)
+
+
+_START = """
+import json, sys
+from hetero_jax import Engine, EngineConfig, SamplingParams
+engine = Engine.from_preset("tiny", config=EngineConfig(
+    token_budget=32, chunk_size=16, max_num_seqs=8, max_model_len=64, token_buckets=(8, 32),
+    page_buckets=(4,), cascade_rows=0))
+built = engine.warmup()
+out = engine.generate([[5, 6, 7] * 7, [9]], SamplingParams(max_tokens=5, temperature=0),
+                      use_tqdm=False)
+s = engine.stats
+print(json.dumps(dict(built=built, variants=len(engine.config.variants()), builds=s.compiles,
+                      loads=s.compile_loads, dir=engine.runner.compile_cache,
+                      tokens=[o.token_ids for o in out])))
+"""
+
+
+def test_second_process_of_a_configuration_compiles_nothing(tmp_path):
+    """The default cache directory is under $XDG_CACHE_HOME; the second start builds nothing
+    in warmup() and its steps load from disk, with the same tokens."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_")}
+    env["XDG_CACHE_HOME"] = str(tmp_path)
+
+    def start():
+        run = subprocess.run([sys.executable, "-c", _START], env=env, capture_output=True,
+                             text=True, timeout=300)
+        assert run.returncode == 0, run.stderr[-3000:]
+        return json.loads(run.stdout.strip().splitlines()[-1])
+
+    cold, warm = start(), start()
+    assert cold["dir"] == warm["dir"] == str(tmp_path / "hetero-jax" / "xla")
+    assert cold["built"] == cold["variants"] == cold["builds"] and cold["loads"] == 0
+    assert warm["built"] == 0 and warm["builds"] == warm["loads"] > 0, "a step compiled"
+    assert warm["tokens"] == cold["tokens"]
+
+
+@pytest.mark.slow  # ~3 min on 2 cores (78 variants of ~2 s each), in a fresh cache
+def test_small_preset_default_warmup_finishes_in_bounded_mappings(tmp_path):
+    """The warm-up that crashed near vm.max_map_count: every default variant of the small
+    preset builds, and the process stays under the limit (the cache drops what it must)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_")}
+    env["XDG_CACHE_HOME"] = str(tmp_path)
+    script = """
+import json
+from hetero_jax import Engine
+from hetero_jax.runner.executables import default_max_maps, process_maps
+engine = Engine.from_preset("small")
+built = engine.warmup()
+print(json.dumps(dict(built=built, variants=len(engine.config.variants()), maps=process_maps(),
+                      limit=2 * default_max_maps())))
+"""
+    run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                         timeout=1800)
+    assert run.returncode == 0, run.stderr[-3000:]
+    r = json.loads(run.stdout.strip().splitlines()[-1])
+    assert r["built"] == r["variants"] == 78 and r["maps"] < r["limit"]
