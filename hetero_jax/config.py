@@ -56,6 +56,9 @@ class EngineConfig:
     cost_model: object = None
     attention_impl: str = "auto"  # auto | xla | pallas
     layer_loop: str = "auto"  # auto (unrolled on CPU, scan elsewhere) | scan | unrolled
+    # Devices the decoder is split over (Megatron layout on a one-axis mesh, runner/sharding.py;
+    # the XLA attention): 1 runs on the default device. The model must divide by it.
+    tensor_parallel: int = 1
     token_buckets: tuple | None = None  # None: powers of two from 16 up to token_budget
     seq_buckets: tuple | None = None  # None: powers of two from 8 up to max_num_seqs
     # The default bucket lists keep the variants few (78 for the defaults: each costs ~2 s of
@@ -84,7 +87,7 @@ class EngineConfig:
     def __post_init__(self):
         for name, lo in (("token_budget", 1), ("chunk_size", 1), ("max_num_seqs", 1),
                          ("max_chunk_seqs", 1), ("page_size", 1), ("max_logprobs", 0),
-                         ("cascade_rows", 0), ("cascade_min_pages", 1)):
+                         ("cascade_rows", 0), ("cascade_min_pages", 1), ("tensor_parallel", 1)):
             object.__setattr__(self, name, require_int(name, getattr(self, name), lo, INT32_MAX))
         for name, lo in (("num_pages", 2), ("max_model_len", 1)):
             if getattr(self, name) is not None:
@@ -106,6 +109,10 @@ class EngineConfig:
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be one of {choices}")
         require_bool("prefix_caching", self.prefix_caching)
+        if self.tensor_parallel > 1 and self.attention_impl == "pallas":
+            raise ValueError(f"tensor_parallel={self.tensor_parallel} with attention_impl="
+                             "'pallas' needs the kernel per shard (shard_map), which is not "
+                             "built; use 'xla' or 'auto'")
         if self.compile_cache is not None and (not isinstance(self.compile_cache, str)
                                                or not self.compile_cache):
             raise ValueError(f"compile_cache={self.compile_cache!r} must be 'auto', a directory "

@@ -1,5 +1,6 @@
-"""Tensor parallelism: the Megatron partition table (hand-checked specs), bad degrees named,
-and TP=2 on two host devices (a subprocess with XLA_FLAGS) gives TP=1's greedy tokens,
+"""Tensor parallelism: the Megatron partition table (hand-checked specs), bad degrees named
+(by the check, by EngineConfig, and by the Engine before it makes or reads any weights),
+repeated KV heads undone for saving, and TP=2 on two host devices (a subprocess with XLA_FLAGS) gives TP=1's greedy tokens,
 log-probs (fp32, 1e-5) and embeddings (cosine > 0.99999) on a tiny Hugging Face Llama with
 GQA 4:1 (so its one KV head is repeated per shard), with no compile after warm-up."""
 import json
@@ -7,12 +8,18 @@ import os
 import subprocess
 import sys
 
+import jax
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
+from hetero_jax import Engine, EngineConfig
+from hetero_jax.models import llama
+from hetero_jax.models.formats.hf_llama import hf_config_dict
 from hetero_jax.models.presets import preset_config
-from hetero_jax.runner.sharding import AXIS, check_tensor_parallel, leaf_spec
+from hetero_jax.runner.sharding import AXIS, check_tensor_parallel, expand_kv_heads, leaf_spec, \
+    unexpand_kv_heads
+from hetero_jax.serving import engine as engine_module
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -44,6 +51,50 @@ def test_bad_degrees_name_the_value():
             check_tensor_parallel(tiny, n, devices)
     with pytest.raises(ValueError, match="does not divide layers/0/w_up"):
         leaf_spec("layers/0/w_up", (64, 97), 2)
+
+
+@pytest.mark.parametrize("value, message", [
+    (0, r"tensor_parallel=0 must be in \[1, "),
+    ("2", "tensor_parallel='2' must be an integer, not str"),
+    (True, "tensor_parallel=True must be an integer, not bool")])
+def test_engine_config_refuses_a_degree_that_is_no_positive_integer(value, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(tensor_parallel=value)
+
+
+def test_engine_config_refuses_the_pallas_kernel_with_tensor_parallel():
+    with pytest.raises(ValueError, match="tensor_parallel=2 with attention_impl='pallas'"):
+        EngineConfig(tensor_parallel=2, attention_impl="pallas")
+
+
+def _no_weights(*args, **kwargs):
+    raise AssertionError("weights were made or read before the tensor_parallel check")
+
+
+@pytest.mark.parametrize("n, message", [
+    (3, "tensor_parallel=3 does not divide num_heads=8"),  # the tiny preset: 8 heads
+    (2, "tensor_parallel=2 exceeds the 1 cpu device"),  # this process sees one host device
+    (16, "tensor_parallel=16 does not divide num_heads=8")])
+def test_the_engine_refuses_a_bad_degree_before_any_weights(n, message, tmp_path, monkeypatch):
+    assert len(jax.devices()) == 1, jax.devices()
+    monkeypatch.setattr(engine_module.llama, "init_params", _no_weights)
+    monkeypatch.setattr(engine_module, "load_params", _no_weights)
+    with pytest.raises(ValueError, match=message):
+        Engine.from_preset("tiny", config=EngineConfig(tensor_parallel=n))
+    (tmp_path / "config.json").write_text(json.dumps(hf_config_dict(preset_config("tiny"))))
+    with pytest.raises(ValueError, match=message):  # config.json only: no weights to read
+        Engine.from_pretrained(str(tmp_path), config=EngineConfig(tensor_parallel=n))
+
+
+def test_unexpand_kv_heads_undoes_the_repeat():
+    cfg = preset_config("tiny")  # 4 KV heads: 8 shards repeat each twice
+    params = llama.init_params(cfg, 0)
+    wide_cfg, wide = expand_kv_heads(cfg, params, 8)
+    assert wide_cfg.num_kv_heads == 8
+    assert wide["layers"]["wk"].shape[-1] == 2 * params["layers"]["wk"].shape[-1]
+    back = unexpand_kv_heads(cfg, wide)
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(back)):
+        np.testing.assert_array_equal(a, b)
 
 
 @pytest.mark.slow  # a subprocess that imports torch and compiles twice: about 25 s

@@ -1,5 +1,7 @@
 """Run by test_tensor_parallel in a subprocess with two host devices: the same requests on
-one engine at TP=1 and at TP=2 (its runner sharded); prints both results as JSON."""
+one engine at TP=1 and at TP=2 (EngineConfig(tensor_parallel=2)); prints both results as
+JSON."""
+import dataclasses
 import json
 import sys
 
@@ -8,7 +10,6 @@ import numpy as np
 
 from hetero_jax import EmbedRequest, Engine, EngineConfig, GenerateRequest, PoolingParams, \
     SamplingParams
-from hetero_jax.models.layers import stack_layers
 from hetero_jax.runner.sharding import ShardedDecoderRunner
 
 CONFIG = EngineConfig(token_budget=64, chunk_size=32, max_num_seqs=8, max_model_len=256,
@@ -38,9 +39,8 @@ def main(path: str) -> None:
     assert len(jax.devices()) == 2, jax.devices()
     one = Engine.from_pretrained(path, config=CONFIG)
     base = results(one)
-    two = Engine.from_pretrained(path, config=CONFIG)
-    two.runner = ShardedDecoderRunner(two.model_cfg, two.config, stack_layers(two.runner.params),
-                                      2)
+    two = Engine.from_pretrained(path, config=dataclasses.replace(CONFIG, tensor_parallel=2))
+    assert isinstance(two.runner, ShardedDecoderRunner), type(two.runner)
     warm = two.warmup()
     sharded = results(two)
     kv, wq = two.runner.state.kv.k, two.runner.params["layers"]["0"]["wq"]

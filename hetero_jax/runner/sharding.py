@@ -1,7 +1,9 @@
 """Tensor parallelism: the decoder's Megatron layout over a one-axis device mesh.
 
 In: a model config, the params pytree (stacked or `split_layers`), the tensor-parallel
-degree N and the devices. Out: a `ShardedDecoderRunner`, the `DecoderRunner` whose params,
+degree N (`EngineConfig.tensor_parallel`: the `Engine` builds this runner when N > 1, after
+`check_tensor_parallel` passed on the model's config before any weights were made or read)
+and the devices. Out: a `ShardedDecoderRunner`, the `DecoderRunner` whose params,
 KV cache and jitted step are laid out on the mesh `("tp",)` of N devices, with explicit
 in/out shardings and the sharded state donated; the batch and the packed output are
 replicated, so the scheduler, the sampler, the pooler and the one device->host copy do not
@@ -14,8 +16,9 @@ the first match wins and the last rule replicates the rest. q/k/v and gate/up ar
 heads and hidden units (their output), o and down on their input, the embedding and LM head
 by vocabulary (replicated when N does not divide it), the KV pages by KV head. When N
 exceeds the KV heads, each KV head is repeated N / Hkv times first (`expand_kv_heads`), so
-every shard holds the KV heads its query heads read. The attention is the XLA one (the
-Pallas kernel per shard needs `shard_map`, not built). The runner builds the state on the
+every shard holds the KV heads its query heads read (`unexpand_kv_heads` undoes it for
+`Engine.save`). The attention is the XLA one (`EngineConfig` refuses 'pallas' with N > 1:
+the Pallas kernel per shard needs `shard_map`, not built). The runner builds the state on the
 default device, then places it: checkpoint shards are not yet loaded straight onto their
 devices.
 """
@@ -50,15 +53,14 @@ PARTITION_RULES = (  # (regex over the leaf path, spec of the leaf without its l
 )
 VOCAB_LEAVES = ("embed", "lm_head")  # replicated when N does not divide the vocabulary
 KV_SPEC = P(None, None, None, AXIS, None)  # [L, P, page_size, Hkv, D]: by KV head
+KV_LEAVES = ("wk", "wv", "bk", "bv", "lora_b_wk", "lora_b_wv")  # [..., Hkv * D]
 
 
 def check_tensor_parallel(cfg: ModelConfig, n: int, num_devices: int) -> None:
-    """ValueError naming the value when `n` cannot split this model over these devices."""
+    """ValueError naming the value when `n` cannot split this model over these devices (the
+    model first: a degree no device count could serve is named as such)."""
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"tensor_parallel={n!r} must be an integer >= 1")
-    if n > num_devices:
-        raise ValueError(f"tensor_parallel={n} exceeds the {num_devices} "
-                         f"{jax.default_backend()} devices")
     if cfg.num_heads % n:
         raise ValueError(f"tensor_parallel={n} does not divide num_heads={cfg.num_heads}")
     kv = cfg.num_kv_heads
@@ -68,6 +70,9 @@ def check_tensor_parallel(cfg: ModelConfig, n: int, num_devices: int) -> None:
     if cfg.intermediate_size % n:
         raise ValueError(f"tensor_parallel={n} does not divide intermediate_size="
                          f"{cfg.intermediate_size}")
+    if n > num_devices:
+        raise ValueError(f"tensor_parallel={n} exceeds the {num_devices} "
+                         f"{jax.default_backend()} device(s) jax sees")
 
 
 def expand_kv_heads(cfg: ModelConfig, params, n: int) -> tuple:
@@ -79,7 +84,7 @@ def expand_kv_heads(cfg: ModelConfig, params, n: int) -> tuple:
 
     def repeat(path, x):
         name = _path(path).rsplit("/", 1)[-1]
-        if name not in ("wk", "wv", "bk", "bv", "lora_b_wk", "lora_b_wv"):
+        if name not in KV_LEAVES:
             return x
         heads = x.reshape(*x.shape[:-1], x.shape[-1] // d, d)  # [..., Hkv, D]
         return jnp.repeat(heads, reps, axis=-2).reshape(*x.shape[:-1], -1)
@@ -87,6 +92,21 @@ def expand_kv_heads(cfg: ModelConfig, params, n: int) -> tuple:
     params = dict(params, layers=jax.tree_util.tree_map_with_path(
         lambda p, x: repeat(p, x), params["layers"]))
     return dataclasses.replace(cfg, num_kv_heads=cfg.num_kv_heads * reps), params
+
+
+def unexpand_kv_heads(cfg: ModelConfig, params) -> dict:
+    """The inverse of `expand_kv_heads` for the model's own `cfg`: params whose K/V
+    projections hold cfg.num_kv_heads heads again (params that do already are unchanged)."""
+    kv, d = cfg.num_kv_heads, cfg.head_dim
+
+    def first(path, x):
+        heads = x.shape[-1] // d
+        if _path(path).rsplit("/", 1)[-1] not in KV_LEAVES or heads == kv:
+            return x
+        runs = x.reshape(*x.shape[:-1], kv, heads // kv, d)  # [..., Hkv, repeats, D]
+        return runs[..., 0, :].reshape(*x.shape[:-1], kv * d)
+
+    return dict(params, layers=jax.tree_util.tree_map_with_path(first, params["layers"]))
 
 
 def _path(path) -> str:
@@ -130,9 +150,6 @@ class ShardedDecoderRunner(DecoderRunner):
                  devices: list | None = None):
         devices = jax.devices() if devices is None else devices
         check_tensor_parallel(model_cfg, tensor_parallel, len(devices))
-        if cfg.attention_impl == "pallas":
-            raise ValueError("tensor_parallel with attention_impl='pallas' needs the kernel per "
-                             "shard (shard_map), which is not built; use 'xla' or 'auto'")
         model_cfg, params = expand_kv_heads(model_cfg, params, tensor_parallel)
         super().__init__(model_cfg, dataclasses.replace(cfg, attention_impl="xla"), params)
         self.mesh = Mesh(np.array(devices[:tensor_parallel]), (AXIS,))

@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 from hetero_jax.config import EngineConfig
 from hetero_jax.models import llama, lora
 from hetero_jax.models.config import ModelConfig
-from hetero_jax.models.formats.hf_llama import load_hf_model
+from hetero_jax.models.formats.hf_llama import load_params, read_model_config
 from hetero_jax.models.formats.peft import load_adapter
 from hetero_jax.models.layers import stack_layers
 from hetero_jax.models.presets import preset_config
@@ -33,6 +33,8 @@ from hetero_jax.models.tokenizer import ByteTokenizer, load_tokenizer
 from hetero_jax.outputs import EngineStats
 from hetero_jax.runner.batch import pack_batch
 from hetero_jax.runner.decoder import DecoderRunner
+from hetero_jax.runner.sharding import ShardedDecoderRunner, check_tensor_parallel, \
+    unexpand_kv_heads
 from hetero_jax.sched import RunnerOutput, Scheduler, SchedulerConfig
 from hetero_jax.sched.hashing import chain_seed
 from hetero_jax.serving import checkpoint
@@ -48,7 +50,10 @@ class Engine(BatchAPI):
     def __init__(self, model_cfg: ModelConfig, params, tokenizer, config: EngineConfig | None = None,
                  encoder: SeparateEncoder | None = None, adapters: dict | None = None):
         """`adapters` maps LoRA adapter names to loaded `lora.LoraAdapter`s (embedding only);
-        `encoder`, when given, embeds every embedding request instead of the decoder."""
+        `encoder`, when given, embeds every embedding request instead of the decoder. With
+        `config.tensor_parallel=N > 1` the decoder is split over the first N devices
+        (`runner.sharding`), checked against the model before any params are placed."""
+        _check_tensor_parallel(model_cfg, config)
         dtype = jnp.dtype((config or EngineConfig()).dtype)
         kv_bytes = 2 * model_cfg.num_layers * model_cfg.num_kv_heads * model_cfg.head_dim * dtype.itemsize
         # Sliding-window attention is not implemented: within the window it equals full attention.
@@ -76,7 +81,8 @@ class Engine(BatchAPI):
             warnings.warn("prefix caching serves generation only here: the separate encoder "
                           "embeds every input whole (a bidirectional encoder has no prefix "
                           "cache)", stacklevel=2)
-        self.runner = DecoderRunner(model_cfg, c, params)
+        self.runner = (ShardedDecoderRunner(model_cfg, c, params, c.tensor_parallel)
+                       if c.tensor_parallel > 1 else DecoderRunner(model_cfg, c, params))
         embedding = encoder.embedding_model if encoder else EmbeddingModel(
             tokenizer, model_cfg.vocab_size, c.max_model_len, "mean", True, on_decoder=True)
         self.inputs = InputProcessor(
@@ -93,6 +99,7 @@ class Engine(BatchAPI):
                     embed_model: str | None = None) -> "Engine":
         """An embedded model (random weights from `seed`); `embed_model` as in from_pretrained."""
         cfg = preset_config(name)
+        _check_tensor_parallel(cfg, config)
         dtype = jnp.dtype((config or EngineConfig()).dtype)
         encoder = SeparateEncoder.from_pretrained(embed_model, dtype) if embed_model else None
         return cls(cfg, llama.init_params(cfg, seed), ByteTokenizer(), config, encoder)
@@ -109,7 +116,9 @@ class Engine(BatchAPI):
         as generation tokens on the base weights; the first one is the default.
         """
         dtype = jnp.dtype((config or EngineConfig()).dtype)
-        model_cfg, params = load_hf_model(path, dtype)
+        model_cfg = read_model_config(path)
+        _check_tensor_parallel(model_cfg, config)  # before the weights are read
+        params = load_params(path, model_cfg, dtype)
         encoder = SeparateEncoder.from_pretrained(embed_model, dtype) if embed_model else None
         dirs = {"default": embed_adapter} if isinstance(embed_adapter, str) else embed_adapter
         adapters = {name: load_adapter(d, model_cfg, dtype) for name, d in (dirs or {}).items()}
@@ -119,7 +128,7 @@ class Engine(BatchAPI):
     def save(self, path: str) -> None:
         """An engine-native checkpoint (orbax): the base params, model config and tokenizer.
         LoRA adapters are not saved: load them again from their PEFT directories."""
-        params = stack_layers(self.runner.params)
+        params = stack_layers(unexpand_kv_heads(self.model_cfg, self.runner.params))
         layers = {k: v for k, v in params["layers"].items() if not k.startswith("lora_")}
         checkpoint.save(path, self.model_cfg, dict(params, layers=layers), self.tokenizer)
 
@@ -279,6 +288,14 @@ class Engine(BatchAPI):
         self.stats.compiles = sum(r.compiles for r in runners)
         self.stats.compile_loads = self.runner.compile_loads
         self.stats.compile_s = sum(r.compile_s for r in runners)
+
+
+def _check_tensor_parallel(model_cfg: ModelConfig, config: EngineConfig | None) -> None:
+    """ValueError naming the value when config.tensor_parallel cannot split this model over
+    the devices jax sees (nothing to check at 1)."""
+    n = (config or EngineConfig()).tensor_parallel
+    if n > 1:
+        check_tensor_parallel(model_cfg, n, len(jax.devices()))
 
 
 def _cache_identity(model_cfg: ModelConfig, config: EngineConfig) -> bytes:

@@ -62,8 +62,13 @@ def load_params(model_dir: str, cfg: ModelConfig, dtype) -> dict:
     return jax.tree.map(lambda x: jnp.asarray(x, dtype), params)
 
 
+def read_model_config(model_dir: str) -> ModelConfig:
+    """The ModelConfig of a directory's `config.json` (no weights read)."""
+    return model_config_from_hf(read_hf_config(model_dir), os.path.join(model_dir, "config.json"))
+
+
 def load_hf_model(model_dir: str, dtype=jnp.float32) -> tuple[ModelConfig, dict]:
-    cfg = model_config_from_hf(read_hf_config(model_dir), os.path.join(model_dir, "config.json"))
+    cfg = read_model_config(model_dir)
     return cfg, load_params(model_dir, cfg, dtype)
 
 
