@@ -1,7 +1,8 @@
-"""Bad flags of `hetero-jax bench`, `generate` and `sim` end in argparse errors (exit status 2,
-one line naming the flag, the value and the limit) before any work: no engine, no simulation,
-no jax import where none is needed. Nothing here runs an engine or a simulation: the entry
-points that would do the work are replaced by ones that fail the test."""
+"""Bad flags of `hetero-jax bench`, `generate`, `sim` (and `batch --tensor-parallel`) end in
+argparse errors (exit status 2, one line naming the flag, the value and the limit) before any
+work: no engine, no simulation, no jax import where none is needed. Nothing here runs an
+engine or a simulation: the entry points that would do the work are replaced by ones that
+fail the test."""
 import argparse
 import os
 import subprocess
@@ -11,6 +12,7 @@ import pytest
 
 from hetero_jax import cli
 from hetero_jax.bench import cli as bench_cli
+from hetero_jax.offline import cli as batch_cli
 from hetero_jax.sim import cli as sim_cli
 
 
@@ -212,3 +214,91 @@ def test_sim_cli_imports_no_jax():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=120)
     assert proc.stdout.split() == ["2", "False"], (proc.stdout, proc.stderr[-2000:])
+
+
+# -- --tensor-parallel (batch and bench): this process sees one host device -------------------
+
+@pytest.fixture
+def batch_input(tmp_path, monkeypatch):
+    """A good batch input, and the batch job's engine replaced by one that fails the test."""
+    monkeypatch.setattr(batch_cli, "make_front", no_work)
+    path = tmp_path / "in.jsonl"
+    path.write_text('{"id": 1, "embed": "x"}\n')
+    return str(path)
+
+
+def batch_tp_cases(tmp_path) -> list:
+    """(flags, what the error line says)"""
+    return [
+        (["--tensor-parallel", "0"], "argument --tensor-parallel: 0 is outside [1, "),
+        (["--tensor-parallel", "two"], "argument --tensor-parallel: 'two' is not an integer"),
+        (["--tensor-parallel", "3"],  # the tiny preset: 8 heads; named before the devices
+         "argument --tensor-parallel: tensor_parallel=3 does not divide num_heads=8"),
+        (["--tensor-parallel", "2"],
+         "argument --tensor-parallel: --tensor-parallel 2 needs 2 devices; jax sees 1 cpu "
+         "device(s)"),
+    ]
+
+
+def test_batch_tensor_parallel_errors_name_the_value_and_the_devices(tmp_path, batch_input,
+                                                                     capsys):
+    out = str(tmp_path / "out.jsonl")
+    for flags, message in batch_tp_cases(tmp_path):
+        with pytest.raises(SystemExit) as e:
+            cli.main(["batch", batch_input, "--output", out, *flags])
+        line = error_line(e, capsys)
+        assert line.startswith("hetero-jax batch: error: ") and message in line, (flags, line)
+    assert not os.path.exists(out)
+
+
+def test_batch_tensor_parallel_with_replicas_needs_devices_for_each(tmp_path, batch_input,
+                                                                   monkeypatch, capsys):
+    import jax
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})  # cores suffice
+    argv = ["batch", batch_input, "--output", str(tmp_path / "out.jsonl"), "--replicas", "2",
+            "--tensor-parallel", "2"]
+    monkeypatch.setattr(jax, "devices", lambda: ["d0", "d1", "d2"])
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+    assert "argument --tensor-parallel: --tensor-parallel 2 with --replicas 2 needs 4 devices " \
+           "(2 per replica); jax sees 3 cpu device(s)" in error_line(e, capsys)
+    monkeypatch.setattr(jax, "devices", lambda: ["d0", "d1", "d2", "d3"])
+    with pytest.raises(AssertionError, match="the work started"):  # the checks pass
+        cli.main(argv)
+
+
+def test_batch_tensor_parallel_with_ray_is_refused(tmp_path, batch_input, monkeypatch, capsys):
+    find_spec = batch_cli.importlib.util.find_spec
+    monkeypatch.setattr(batch_cli.importlib.util, "find_spec",
+                        lambda name: object() if name == "ray" else find_spec(name))
+    with pytest.raises(SystemExit) as e:
+        cli.main(["batch", batch_input, "--output", str(tmp_path / "o"), "--ray",
+                  "--tensor-parallel", "2"])
+    assert "argument --tensor-parallel: --tensor-parallel 2 with --ray is not built" in \
+        error_line(e, capsys)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--tensor-parallel", "0"], "argument --tensor-parallel: 0 is outside [1, "),
+    (["--tensor-parallel", "2"], "argument --tensor-parallel: --tensor-parallel 2 with the "
+     "dedicated contender is not built"),
+    (["--tensor-parallel", "3", "--schedulers", "ibs"],
+     "argument --tensor-parallel: tensor_parallel=3 does not divide num_heads=8"),
+    (["--tensor-parallel", "2", "--schedulers", "ibs"],
+     "argument --tensor-parallel: tensor_parallel=2 exceeds the 1 cpu device(s) jax sees"),
+])
+def test_bench_tensor_parallel_errors_name_the_value(flags, message, no_engines, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["bench", "--preset", "tiny", *flags])
+    assert message in error_line(e, capsys)
+
+
+def test_bench_tensor_parallel_reaches_every_contender_config(monkeypatch):
+    import jax
+
+    monkeypatch.setattr(jax, "devices", lambda: ["d0", "d1"])
+    cfg = bench_cli.parse_config(["--preset", "tiny", "--schedulers", "ibs,fcfs",
+                                  "--tensor-parallel", "2"])
+    assert cfg.engine_config().tensor_parallel == 2
+    assert bench_cli.parse_config(["--preset", "tiny"]).engine_config().tensor_parallel == 1

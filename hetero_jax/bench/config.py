@@ -28,7 +28,7 @@ LIMITS = dict(clients=(1, 1024), requests=(1, 100_000), min_gens=(0, 100_000), r
               token_budget=(16, 8192), chunk_size=(1, 8192), max_num_seqs=(1, 1024),
               max_chunk_seqs=(1, 64), warmup=(0, 10_000), seed=(0, 2**32 - 1), groups=(1, 10_000),
               prompts_per_group=(1, 10_000), prefix_len=(0, 8192), suffix_len=(1, 8192),
-              instruction_len=(0, 8192), chunk_pages=(1, 1024))
+              instruction_len=(0, 8192), chunk_pages=(1, 1024), tensor_parallel=(1, 1024))
 QUICK = dict(clients=4, requests=8, min_gens=2, embed_len=16, prompt_len=16, output_len=16,
              warmup=0, token_budget=16, chunk_size=16, max_num_seqs=8, max_chunk_seqs=1)
 
@@ -136,6 +136,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chunk-size", type=int_in("chunk_size"), default=64)
     p.add_argument("--max-num-seqs", type=int_in("max_num_seqs"), default=32)
     p.add_argument("--max-chunk-seqs", type=int_in("max_chunk_seqs"), default=4)
+    p.add_argument("--tensor-parallel", type=int_in("tensor_parallel"), default=1, metavar="N",
+                   help="split every engine's decoder over N devices (EngineConfig("
+                   "tensor_parallel=N)); not with the dedicated contender")
     p.add_argument("--warmup", type=int_in("warmup"), default=None,
                    help="warm-up requests per engine before measuring (default: --clients)")
     p.add_argument("--baseline", choices=["hf"], help="also run transformers on PyTorch CPU "
@@ -187,6 +190,7 @@ class BenchConfig:
     chunk_size: int
     max_num_seqs: int
     max_chunk_seqs: int
+    tensor_parallel: int  # EngineConfig.tensor_parallel of every contender
     warmup: int
     baseline: str | None
     seed: int
@@ -229,6 +233,8 @@ class BenchConfig:
                                     or os.path.isfile(args.cost_model)):
             parser.error(f"argument --cost-model: {args.cost_model!r} is not a file or "
                          "roofline:<hardware>")
+        if args.tensor_parallel > 1:
+            _check_tensor_parallel(parser, args, model_cfg)
         if args.chunk_size > args.token_budget:
             parser.error(f"--chunk-size {args.chunk_size} exceeds --token-budget "
                          f"{args.token_budget}")
@@ -254,8 +260,25 @@ class BenchConfig:
         return EngineConfig(token_budget=self.token_budget, chunk_size=self.chunk_size,
                             max_num_seqs=self.max_num_seqs, max_chunk_seqs=self.max_chunk_seqs,
                             max_model_len=self.max_model_len, seed=self.seed,
-                            compile_cache=self.compile_cache,
+                            compile_cache=self.compile_cache, tensor_parallel=self.tensor_parallel,
                             feather=FeatherConfig(chunk_pages=self.chunk_pages, arms=self.arms))
+
+
+def _check_tensor_parallel(parser, args, model_cfg) -> None:
+    """--tensor-parallel N > 1 against the contenders, the model and the devices jax sees."""
+    import jax
+
+    from hetero_jax.runner.sharding import check_tensor_parallel
+
+    n = args.tensor_parallel
+    if "dedicated" in args.schedulers:
+        parser.error(f"argument --tensor-parallel: --tensor-parallel {n} with the dedicated "
+                     "contender is not built (its two processes would split over the same "
+                     "devices); drop it from --schedulers")
+    try:
+        check_tensor_parallel(model_cfg, n, len(jax.devices()))
+    except ValueError as e:
+        parser.error(f"argument --tensor-parallel: {e}")
 
 
 def parse_config(argv=None) -> BenchConfig:

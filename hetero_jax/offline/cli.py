@@ -1,12 +1,15 @@
 """`hetero-jax batch INPUT --output OUTPUT`: an offline batch job on one engine.
 
     hetero-jax batch INPUT --output OUTPUT [--errors PATH] [--preset tiny | --model DIR]
-                     [--replicas N] [--ray [ADDRESS]] [--scheduler ibs] [--token-budget N] ...
+                     [--replicas N] [--ray [ADDRESS]] [--tensor-parallel N]
+                     [--scheduler ibs] [--token-budget N] ...
 
-In: argv. Every check runs before jax is imported, and each failure is a `parser.error`
-(exit status 2) naming the value: INPUT must be a batch input (`rows.check_input`), OUTPUT
-and ERRORS writable and apart from each other and from INPUT, OUTPUT resumable
-(`OutputJournal.open` locks it, reads the ids it holds and cuts a torn last line). Then
+In: argv. Every check runs before any model work, and before jax is imported but for
+`--tensor-parallel N > 1`'s (against the model's heads and the devices jax sees, after the
+file checks); each failure is a `parser.error` (exit status 2) naming the value: INPUT must
+be a batch input (`rows.check_input`), OUTPUT and ERRORS writable and apart from each other
+and from INPUT, OUTPUT resumable (`OutputJournal.open` locks it, reads the ids it holds and
+cuts a torn last line). Then
 `make_front` builds the engine and its front (the one place that knows what serves the rows:
 one `Engine` stepped in this process, or with `--replicas N` a `ReplicaSet` of N engine
 processes, one core each, behind the prefix-affinity router, or with `--ray` N Ray actors
@@ -25,7 +28,7 @@ import os
 import sys
 import time
 
-from hetero_jax.models.presets import PRESETS
+from hetero_jax.models.presets import PRESETS, preset_config
 from hetero_jax.offline.job import EngineFront, Tally, count_to_run, run_job
 from hetero_jax.offline.journal import ErrorLog, OutputError, OutputJournal
 from hetero_jax.offline.replica_front import ReplicaFront
@@ -35,7 +38,8 @@ from hetero_jax.sim.options import compile_cache_dir, int_range, output_file, \
     output_problem
 
 LIMITS = dict(token_budget=(1, 8192), chunk_size=(1, 8192), max_num_seqs=(1, 1024),
-              max_in_flight=(1, 1_000_000), seed=(0, 2**32 - 1), replicas=(1, 1024))
+              max_in_flight=(1, 1_000_000), seed=(0, 2**32 - 1), replicas=(1, 1024),
+              tensor_parallel=(1, 1024))
 ERRORS_SUFFIX = ".errors.jsonl"
 
 
@@ -67,6 +71,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ray", nargs="?", const="local", default=None, metavar="ADDRESS",
                    help="run the --replicas as Ray actors: on a local Ray cluster, or on the "
                    "cluster at ADDRESS (needs the ray extra)")
+    p.add_argument("--tensor-parallel", type=ints["tensor_parallel"], default=1, metavar="N",
+                   help="split each engine's decoder over N devices (Megatron layout, "
+                   "EngineConfig(tensor_parallel=N)); N must divide the model's heads and "
+                   "N x --replicas may not exceed the devices jax sees")
     p.add_argument("--scheduler", default="ibs", choices=list(POLICIES),
                    help="scheduling policy of the engine")
     p.add_argument("--token-budget", type=ints["token_budget"], default=256,
@@ -123,6 +131,7 @@ def check(parser: argparse.ArgumentParser, args) -> Plan:
         other = seen.setdefault(os.path.realpath(path), flag)
         if other != flag:
             parser.error(f"argument {flag}: {path!r} is {other} too; pick another path")
+    check_tensor_parallel(parser, args)
     try:
         journal = OutputJournal.open(args.output)
     except OutputError as e:
@@ -136,13 +145,41 @@ def check(parser: argparse.ArgumentParser, args) -> Plan:
     return Plan(journal, errors, rows)
 
 
+def check_tensor_parallel(parser: argparse.ArgumentParser, args) -> None:
+    """--tensor-parallel against --ray, --replicas, the model and the devices jax sees (jax is
+    imported only for N > 1), before any model work; a failure names the values."""
+    n = args.tensor_parallel
+    if n == 1:
+        return
+    if args.ray is not None:
+        parser.error(f"argument --tensor-parallel: --tensor-parallel {n} with --ray is not "
+                     "built (the actors are given no devices to split over)")
+    import jax
+
+    from hetero_jax.models.formats.hf_llama import read_model_config
+    from hetero_jax.runner.sharding import check_tensor_parallel as check_model
+
+    try:  # the model first (as the Engine does), then the devices
+        check_model(read_model_config(args.model) if args.model else preset_config(args.preset),
+                    n, n)
+    except (ValueError, OSError) as e:
+        parser.error(f"argument --tensor-parallel: {e}")
+    devices, kind = len(jax.devices()), jax.default_backend()
+    if args.replicas * n > devices:
+        need = (f"with --replicas {args.replicas} needs {args.replicas * n} devices ({n} per "
+                "replica)" if args.replicas > 1 else f"needs {n} devices")
+        parser.error(f"argument --tensor-parallel: --tensor-parallel {n} {need}; jax sees "
+                     f"{devices} {kind} device(s)")
+
+
 def make_front(args):
     """-> (the front the job runs on, its engine, a line describing it)."""
     from hetero_jax import EngineConfig, make_engine
 
     cfg = EngineConfig(token_budget=args.token_budget, chunk_size=args.chunk_size,
                        max_num_seqs=args.max_num_seqs, dtype=args.dtype,
-                       scheduler=args.scheduler, seed=args.seed, compile_cache=args.compile_cache)
+                       scheduler=args.scheduler, seed=args.seed, compile_cache=args.compile_cache,
+                       tensor_parallel=args.tensor_parallel)
     in_flight = args.max_in_flight or 4 * cfg.max_num_seqs * args.replicas
     if args.ray is not None:
         from hetero_jax.serving.ray_replicas import RayReplicaSet
@@ -165,8 +202,9 @@ def make_front(args):
 
 
 def _describe(args, engine, cfg, where: str, in_flight: int) -> str:
+    tp = f", each split over {args.tensor_parallel} devices" if args.tensor_parallel > 1 else ""
     return (f"model: {args.model or args.preset} ({engine.model_cfg.num_params / 1e6:.1f}M "
-            f"params, {args.dtype}) on {where}; scheduler {cfg.scheduler}, budget "
+            f"params, {args.dtype}) on {where}{tp}; scheduler {cfg.scheduler}, budget "
             f"{cfg.token_budget} tokens, chunk {cfg.chunk_size}, {cfg.max_num_seqs} sequences, "
             f"{in_flight} requests in flight")
 
