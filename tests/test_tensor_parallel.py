@@ -1,8 +1,10 @@
 """Tensor parallelism: the Megatron partition table (hand-checked specs), bad degrees named
 (by the check, by EngineConfig, and by the Engine before it makes or reads any weights),
-repeated KV heads undone for saving, and TP=2 on two host devices (a subprocess with XLA_FLAGS) gives TP=1's greedy tokens,
+repeated KV heads undone for saving, a checkpoint read onto the host for the sharded runner, and
+TP=2 on two host devices (a subprocess with XLA_FLAGS) gives TP=1's greedy tokens,
 log-probs (fp32, 1e-5) and embeddings (cosine > 0.99999) on a tiny Hugging Face Llama with
-GQA 4:1 (so its one KV head is repeated per shard), with no compile after warm-up."""
+GQA 4:1 (so its one KV head is repeated per shard), with no compile after warm-up, its
+checkpoint handed over on the host and placed shard by shard equal to TP=1's params."""
 import json
 import os
 import subprocess
@@ -15,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 from hetero_jax import Engine, EngineConfig
 from hetero_jax.models import llama
-from hetero_jax.models.formats.hf_llama import hf_config_dict
+from hetero_jax.models.formats.hf_llama import export_hf_model, hf_config_dict, load_params
 from hetero_jax.models.presets import preset_config
 from hetero_jax.runner.sharding import AXIS, check_tensor_parallel, expand_kv_heads, leaf_spec, \
     unexpand_kv_heads
@@ -97,7 +99,18 @@ def test_unexpand_kv_heads_undoes_the_repeat():
         np.testing.assert_array_equal(a, b)
 
 
-@pytest.mark.slow  # a subprocess that imports torch and compiles twice: about 25 s
+def test_a_checkpoint_read_on_the_host_equals_the_device_one(tmp_path):
+    cfg = preset_config("tiny")
+    export_hf_model(str(tmp_path), cfg, llama.init_params(cfg, 0))
+    host = load_params(str(tmp_path), cfg, np.float32, on_host=True)
+    device = load_params(str(tmp_path), cfg, np.float32)
+    assert {type(x) for x in jax.tree.leaves(host)} == {np.ndarray}
+    assert {type(x) for x in jax.tree.leaves(device)} == {type(jax.numpy.zeros(1))}
+    for a, b in zip(jax.tree.leaves(host), jax.tree.leaves(device)):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.slow  # a subprocess that imports torch and compiles twice: about 6 s here
 def test_tp2_on_two_host_devices_equals_tp1(hf_model):
     path, _ = hf_model("llama3")  # 4 query heads, 1 KV head
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
@@ -109,6 +122,8 @@ def test_tp2_on_two_host_devices_equals_tp1(hf_model):
     assert r["kv_heads"] == 2 and r["kv_shard"][3] == 1, "one (repeated) KV head per shard"
     assert r["wq_shard"] == [64, 2 * 24], "two of the four query heads per shard"
     assert r["after"] == r["warm"] > 0, "no compile after warm-up"
+    assert r["given"] == ["ndarray"], "the checkpoint reaches the sharded runner on the host"
+    assert r["params_equal"] and r["laid_out"], "placed shard by shard, equal to TP=1's"
     for base, sharded in zip(r["base"], r["sharded"]):
         if "tokens" in base:
             assert sharded["tokens"] == base["tokens"]

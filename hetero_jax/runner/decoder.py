@@ -91,19 +91,23 @@ class DecoderRunner:
                           "float32); use float32 on a CPU", stacklevel=3)
         self.model_cfg, self.cfg = model_cfg, cfg
         self.params = for_layer_loop(params, cfg.layer_loop)
-        dtype = jnp.dtype(cfg.dtype)
-        self.state = DeviceState(
-            kv=llama.KVCache.zeros(model_cfg, cfg.num_pages, cfg.page_size, dtype),
-            pool=pooler.PoolerState.zeros(cfg.max_num_seqs, model_cfg.hidden_size,
-                                          cfg.max_model_len if cfg.buffered_head else 1),
-            sidecar=pooler.PageSidecar.zeros(cfg.num_pages, model_cfg.hidden_size)
-            if cfg.prefix_caching else None)
+        self.state = self.zero_state()
         impl = cfg.attention_impl
         self.impl = ("pallas" if backend == "gpu" else "xla") if impl == "auto" else impl
         self.interpret = self.impl == "pallas" and backend != "gpu"  # Pallas off-GPU: interpret
         self.executable = ExecutableCache(self._compile)
         self.compile_cache = enable_compile_cache(cfg.compile_cache)
         self.cascade_steps = 0
+
+    def zero_state(self) -> DeviceState:
+        """A fresh KV cache and pooler state (the sharded runner builds it on its mesh)."""
+        cfg, model_cfg = self.cfg, self.model_cfg
+        return DeviceState(
+            kv=llama.KVCache.zeros(model_cfg, cfg.num_pages, cfg.page_size, jnp.dtype(cfg.dtype)),
+            pool=pooler.PoolerState.zeros(cfg.max_num_seqs, model_cfg.hidden_size,
+                                          cfg.max_model_len if cfg.buffered_head else 1),
+            sidecar=pooler.PageSidecar.zeros(cfg.num_pages, model_cfg.hidden_size)
+            if cfg.prefix_caching else None)
 
     @property
     def compiles(self) -> int:

@@ -18,9 +18,12 @@ by vocabulary (replicated when N does not divide it), the KV pages by KV head. W
 exceeds the KV heads, each KV head is repeated N / Hkv times first (`expand_kv_heads`), so
 every shard holds the KV heads its query heads read (`unexpand_kv_heads` undoes it for
 `Engine.save`). The attention is the XLA one (`EngineConfig` refuses 'pallas' with N > 1:
-the Pallas kernel per shard needs `shard_map`, not built). The runner builds the state on the
-default device, then places it: checkpoint shards are not yet loaded straight onto their
-devices.
+the Pallas kernel per shard needs `shard_map`, not built). Host (numpy) weights, as
+`Engine.from_pretrained` reads them with N > 1, are cut on the host and each device gets only
+its shards (`place`: `jax.make_array_from_callback`), and the KV cache and pooler state are
+made on the mesh by a jitted zero-fill: no split leaf of a checkpoint nor the KV cache is ever
+whole on one device. (Random preset weights and LoRA stacks are made on the default device,
+then moved.)
 """
 from __future__ import annotations
 
@@ -87,7 +90,8 @@ def expand_kv_heads(cfg: ModelConfig, params, n: int) -> tuple:
         if name not in KV_LEAVES:
             return x
         heads = x.reshape(*x.shape[:-1], x.shape[-1] // d, d)  # [..., Hkv, D]
-        return jnp.repeat(heads, reps, axis=-2).reshape(*x.shape[:-1], -1)
+        xp = np if isinstance(x, np.ndarray) else jnp  # host weights stay on the host
+        return xp.repeat(heads, reps, axis=-2).reshape(*x.shape[:-1], -1)
 
     params = dict(params, layers=jax.tree_util.tree_map_with_path(
         lambda p, x: repeat(p, x), params["layers"]))
@@ -143,6 +147,15 @@ def state_shardings(mesh: Mesh, state: DeviceState) -> DeviceState:
                        jax.tree.map(lambda _: replicated, state.sidecar))
 
 
+def place(x, sharding: NamedSharding) -> jax.Array:
+    """One leaf on its devices. A host (numpy) array is cut on the host and each device gets
+    only its own shard, so a checkpoint never sits whole on one device; a device array is
+    moved to the sharding."""
+    if isinstance(x, np.ndarray):
+        return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+    return jax.device_put(x, sharding)
+
+
 class ShardedDecoderRunner(DecoderRunner):
     """`DecoderRunner` on a `("tp",)` mesh of the first `tensor_parallel` devices."""
 
@@ -151,12 +164,16 @@ class ShardedDecoderRunner(DecoderRunner):
         devices = jax.devices() if devices is None else devices
         check_tensor_parallel(model_cfg, tensor_parallel, len(devices))
         model_cfg, params = expand_kv_heads(model_cfg, params, tensor_parallel)
+        self.mesh = Mesh(np.array(devices[:tensor_parallel]), (AXIS,))  # zero_state needs it
         super().__init__(model_cfg, dataclasses.replace(cfg, attention_impl="xla"), params)
-        self.mesh = Mesh(np.array(devices[:tensor_parallel]), (AXIS,))
         self.param_sharding = param_shardings(self.mesh, self.params)
         self.state_sharding = state_shardings(self.mesh, self.state)
-        self.params = jax.device_put(self.params, self.param_sharding)
-        self.state = jax.device_put(self.state, self.state_sharding)
+        self.params = jax.tree.map(place, self.params, self.param_sharding)
+
+    def zero_state(self) -> DeviceState:
+        """The fresh state made on the mesh: each device zeroes its own KV shard."""
+        build = super().zero_state
+        return jax.jit(build, out_shardings=state_shardings(self.mesh, jax.eval_shape(build)))()
 
     def _compile(self, key: tuple):
         replicated = NamedSharding(self.mesh, P())

@@ -60,7 +60,10 @@ class Engine(BatchAPI):
         max_len = min(model_cfg.max_position_embeddings, model_cfg.sliding_window or 2**31)
         self.config = c = (config or EngineConfig()).resolve(max_len, kv_bytes)
         self.model_cfg, self.tokenizer, self.encoder = model_cfg, tokenizer, encoder
-        params = jax.tree.map(lambda x: jnp.asarray(x, dtype), params)
+        # With tensor_parallel the weights stay on the host: the sharded runner puts each
+        # shard straight on its device.
+        to_array = np.asarray if c.tensor_parallel > 1 else jnp.asarray
+        params = jax.tree.map(lambda x: to_array(x, dtype), params)
         adapter_ids = {name: i + 1 for i, name in enumerate(adapters or {})}  # 0 = base
         if adapters:
             stacked = lora.stack_adapters(list(adapters.values()), model_cfg, dtype)
@@ -118,7 +121,8 @@ class Engine(BatchAPI):
         dtype = jnp.dtype((config or EngineConfig()).dtype)
         model_cfg = read_model_config(path)
         _check_tensor_parallel(model_cfg, config)  # before the weights are read
-        params = load_params(path, model_cfg, dtype)
+        params = load_params(path, model_cfg, dtype,
+                             on_host=(config or EngineConfig()).tensor_parallel > 1)
         encoder = SeparateEncoder.from_pretrained(embed_model, dtype) if embed_model else None
         dirs = {"default": embed_adapter} if isinstance(embed_adapter, str) else embed_adapter
         adapters = {name: load_adapter(d, model_cfg, dtype) for name, d in (dirs or {}).items()}

@@ -52,14 +52,16 @@ def _tied_head_unused(tensors: dict, cfg: ModelConfig) -> bool:
     return True
 
 
-def load_params(model_dir: str, cfg: ModelConfig, dtype) -> dict:
+def load_params(model_dir: str, cfg: ModelConfig, dtype, on_host: bool = False) -> dict:
+    """The params pytree in `dtype`: on the default device, or `on_host` as numpy arrays (for
+    the tensor-parallel runner, which puts each shard straight on its device)."""
     tensors = open_checkpoint(model_dir)
     tied_head = _TOP_NAMES["lm_head"] if _tied_head_unused(tensors, cfg) else None
     params = load_stacked(tensors, param_shapes(cfg), _TOP_NAMES,
                           lambda i, key: f"model.layers.{i}.{_LAYER_NAMES[key]}",
                           lambda key: key == "lm_head" or key.startswith("w"),
                           lambda name: name == tied_head or _UNUSED.fullmatch(name))
-    return jax.tree.map(lambda x: jnp.asarray(x, dtype), params)
+    return jax.tree.map(lambda x: (np.asarray if on_host else jnp.asarray)(x, dtype), params)
 
 
 def read_model_config(model_dir: str) -> ModelConfig:
