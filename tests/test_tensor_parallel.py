@@ -131,3 +131,34 @@ def test_tp2_on_two_host_devices_equals_tp1(hf_model):
         else:
             a, b = np.asarray(base["embedding"]), np.asarray(sharded["embedding"])
             assert a @ b / np.linalg.norm(a) / np.linalg.norm(b) > 0.99999
+
+
+@pytest.mark.slow  # two batch jobs in subprocesses on the tiny preset: about 20 s
+def test_batch_tensor_parallel_2_writes_tp1s_rows(tmp_path):
+    rows = [{"id": 1, "embed": "hello world"},
+            {"id": 2, "prompt": "Once upon", "max_tokens": 6, "temperature": 0},
+            {"id": 3, "prompt": "a b c", "max_tokens": 4, "temperature": 0}]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
+               JAX_PLATFORMS="cpu")
+    out = {}
+    for n in (1, 2):
+        argv = ["batch", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / f"tp{n}.jsonl"),
+                "--preset", "tiny", "--tensor-parallel", str(n), "--token-budget", "32",
+                "--chunk-size", "16", "--max-num-seqs", "4", "--no-progress",
+                "--compile-cache", "none"]
+        proc = subprocess.run([sys.executable, "-c", "import sys\nfrom hetero_jax.cli import "
+                               f"main\nsys.exit(main({argv!r}))"], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert ("split over 2 devices" in proc.stdout) == (n == 2), proc.stdout
+        lines = (tmp_path / f"tp{n}.jsonl").read_text().splitlines()
+        out[n] = {r["id"]: r for r in map(json.loads, lines)}
+    assert sorted(out[1]) == sorted(out[2]) == [1, 2, 3]
+    for row_id, one in out[1].items():
+        two = out[2][row_id]
+        if "embedding" in one:
+            a, b = np.asarray(one["embedding"]), np.asarray(two["embedding"])
+            assert a @ b / np.linalg.norm(a) / np.linalg.norm(b) > 0.99999
+        else:
+            assert two["token_ids"] == one["token_ids"], row_id

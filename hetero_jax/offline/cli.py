@@ -202,7 +202,9 @@ def make_front(args):
 
 
 def _describe(args, engine, cfg, where: str, in_flight: int) -> str:
-    tp = f", each split over {args.tensor_parallel} devices" if args.tensor_parallel > 1 else ""
+    n, tp = args.tensor_parallel, ""
+    if n > 1:
+        tp = f", each split over {n} devices" if args.replicas > 1 else f" split over {n} devices"
     return (f"model: {args.model or args.preset} ({engine.model_cfg.num_params / 1e6:.1f}M "
             f"params, {args.dtype}) on {where}{tp}; scheduler {cfg.scheduler}, budget "
             f"{cfg.token_budget} tokens, chunk {cfg.chunk_size}, {cfg.max_num_seqs} sequences, "
