@@ -22,8 +22,8 @@ the Pallas kernel per shard needs `shard_map`, not built). Host (numpy) weights,
 `Engine.from_pretrained` reads them with N > 1, are cut on the host and each device gets only
 its shards (`place`: `jax.make_array_from_callback`), and the KV cache and pooler state are
 made on the mesh by a jitted zero-fill: no split leaf of a checkpoint nor the KV cache is ever
-whole on one device. (Random preset weights and LoRA stacks are made on the default device,
-then moved.)
+whole on one device. (Random preset weights, LoRA stacks and engine checkpoints, which orbax
+restores whole, are made on the default device, then moved.)
 """
 from __future__ import annotations
 
