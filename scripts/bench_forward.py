@@ -5,6 +5,13 @@ one engine step (pack + jitted step + the one device->host copy) for decode batc
 tokens (each sequence with `--context` cached tokens) and for one 512-token prefill chunk.
 Floor = max(FLOPs / peak, bytes / bandwidth), with bytes = weights + KV read + KV written.
 
+Then the mixed step next to its two parts (`--mixed CHUNKS:LEN:DECODES`, default 4:60:16, a
+256-token step): CHUNKS fresh embedding chunks of LEN tokens with DECODES decode tokens at
+`--context`, the embedding chunks alone and the decodes alone, on an engine with the default
+bucket lists (as the engine runs them), timed round-robin, medians of `--repeats`. It prints
+what the mixed step costs past the embedding-only step as a fraction of the decode-only step
+(issue target: at most 40%; 100% means mixing saved nothing).
+
     python scripts/bench_forward.py --preset small --json out/bench_forward.json
 """
 from __future__ import annotations
@@ -18,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from hetero_jax import Engine, EngineConfig
-from hetero_jax.sched import DECODE, PREFILL, GenKnobs, ScheduledItem
+from hetero_jax.sched import DECODE, EMBED, PREFILL, EmbedKnobs, GenKnobs, ScheduledItem
 
 
 def median_time(fn, repeats: int) -> float:
@@ -54,16 +61,40 @@ def step_cost(cfg, num_tokens: int, context: list) -> tuple[float, float]:
     return flops, 4 * (layer_params + head) + kv_row * (sum(context) + num_tokens)
 
 
-def fake_items(engine, lengths: list, kind: str) -> list:
-    """Decoder items whose pages are allocated as if their context were already computed."""
+def fake_items(engine, lengths: list, kind: str, first_id: int = 10_000) -> list:
+    """Decoder items whose pages are allocated as if their context were already computed
+    (an embedding item: a whole fresh input in one chunk, pooled into slot i)."""
     items = []
     for i, (ctx, n) in enumerate(lengths):
         pages = engine.scheduler.pages.allocate(-(-(ctx + n) // engine.config.page_size))
+        embed = kind == EMBED
         items.append(ScheduledItem(
-            request_id=10_000 + i, kind=kind, start=ctx, num_tokens=n, ends=True,
+            request_id=first_id + i, kind=kind, start=ctx, num_tokens=n, ends=True,
             token_ids=tuple(range(ctx, ctx + n)), pages=tuple(pages),
-            knobs=GenKnobs(0.0, 0, 1.0, 0, None), num_output_tokens=int(kind == DECODE)))
+            knobs=EmbedKnobs(0, True) if embed else GenKnobs(0.0, 0, 1.0, 0, None),
+            num_output_tokens=int(kind == DECODE), pool_slot=i if embed else None))
     return items
+
+
+def mixed_vs_parts(preset: str, spec: str, context: int, repeats: int) -> dict:
+    """The mixed step of `spec` (CHUNKS:LEN:DECODES) and its embedding-only and decode-only
+    parts on the default buckets, timed round-robin; medians in seconds."""
+    chunks, length, decodes = (int(x) for x in spec.split(":"))
+    engine = Engine.from_preset(preset, config=EngineConfig(
+        token_budget=max(256, chunks * length + decodes), chunk_size=max(64, length),
+        max_chunk_seqs=max(4, chunks), max_num_seqs=max(32, chunks + decodes), max_model_len=2048))
+    embeds = fake_items(engine, [(0, length)] * chunks, EMBED)
+    decs = fake_items(engine, [(context, 1)] * decodes, DECODE, first_id=20_000)
+    cases = {"mixed": embeds + decs, "embed-only": embeds, "decode-only": decs}
+    times = {name: [] for name in cases}
+    for name, items in cases.items():  # compile, and one run each before timing
+        engine.runner.execute(items)
+    for _ in range(repeats):
+        for name, items in cases.items():
+            times[name].append(engine.runner.execute(items).step_time)
+    out = {name: statistics.median(t) for name, t in times.items()}
+    out["extra_over_decode"] = (out["mixed"] - out["embed-only"]) / out["decode-only"]
+    return dict(spec=spec, context=context, **out)
 
 
 def main(argv=None):
@@ -73,6 +104,8 @@ def main(argv=None):
     ap.add_argument("--batches", default="1,2,4,8,16,32,64,128,256")
     ap.add_argument("--chunk", type=int, default=512)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--mixed", default="4:60:16", help="CHUNKS:LEN:DECODES of the mixed step "
+                    "timed next to its parts ('none': skip)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
@@ -103,10 +136,18 @@ def main(argv=None):
               f"{floor / t:>7.0%}")
         for it in items:
             engine.scheduler.pages.free(list(it.pages))
+    mixed = None
+    if args.mixed != "none":
+        mixed = mixed_vs_parts(args.preset, args.mixed, args.context, args.repeats)
+        print(f"mixed step {args.mixed} (chunks:len:decodes at {args.context} cached): mixed "
+              f"{mixed['mixed'] * 1e3:.1f} ms, embedding-only {mixed['embed-only'] * 1e3:.1f} "
+              f"ms, decode-only {mixed['decode-only'] * 1e3:.1f} ms; the mixed step costs "
+              f"{mixed['extra_over_decode']:.0%} of the decode-only step past the embedding-only"
+              " one (target <= 40%)")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(preset=args.preset, flops_peak=flops_peak, bandwidth=bw, rows=rows), f,
-                      indent=1)
+            json.dump(dict(preset=args.preset, flops_peak=flops_peak, bandwidth=bw, rows=rows,
+                           mixed=mixed), f, indent=1)
 
 
 if __name__ == "__main__":
