@@ -109,10 +109,6 @@ class EngineConfig:
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be one of {choices}")
         require_bool("prefix_caching", self.prefix_caching)
-        if self.tensor_parallel > 1 and self.attention_impl == "pallas":
-            raise ValueError(f"tensor_parallel={self.tensor_parallel} with attention_impl="
-                             "'pallas' needs the kernel per shard (shard_map), which is not "
-                             "built; use 'xla' or 'auto'")
         if self.compile_cache is not None and (not isinstance(self.compile_cache, str)
                                                or not self.compile_cache):
             raise ValueError(f"compile_cache={self.compile_cache!r} must be 'auto', a directory "

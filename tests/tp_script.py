@@ -1,16 +1,23 @@
 """Run by test_tensor_parallel in a subprocess with two host devices: the same requests on
-one engine at TP=1 and at TP=2 (EngineConfig(tensor_parallel=2)); prints both results as
-JSON, with what the TP=2 runner was given (host arrays?) and whether its placed params equal
-the TP=1 engine's."""
+one engine at TP=1 and at TP=2 (EngineConfig(tensor_parallel=2)), and a few on TP=2 with the
+Pallas kernel per shard (interpret mode: slow, so few tokens); prints the results as JSON,
+with what the TP=2 runner was given (host arrays?), whether its placed params equal the TP=1
+engine's, and how far the kernel under shard_map is from the unsharded kernel (with and
+without a cascade plan)."""
 import dataclasses
+import functools
 import json
 import sys
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
 from hetero_jax import EmbedRequest, Engine, EngineConfig, GenerateRequest, PoolingParams, \
     SamplingParams
+from hetero_jax.ops import ragged_paged_attention
+from hetero_jax.ops.cascade import cascade_arrays
 from hetero_jax.runner import sharding
 from hetero_jax.serving import engine as engine_module
 
@@ -27,9 +34,16 @@ def requests():
             GenerateRequest([1, 2], SamplingParams(max_tokens=6, seed=4, temperature=0.7))]
 
 
-def results(engine) -> list:
+def few():
+    """Two items for the interpret-mode kernel: a chunk then decode tokens, and an embedding."""
+    return [GenerateRequest([1, 5, 9, 13], SamplingParams(max_tokens=3, temperature=0,
+                                                          logprobs=2)),
+            EmbedRequest(list(range(3, 40)))]
+
+
+def results(engine, batch=None) -> list:
     out = []
-    for o in engine.run(requests(), use_tqdm=False):
+    for o in engine.run(requests() if batch is None else batch, use_tqdm=False):
         if hasattr(o, "token_ids"):
             out.append(dict(tokens=o.token_ids, logprobs=[t["logprob"] for t in o.logprobs or []]))
         else:
@@ -61,6 +75,25 @@ def placed_params(one, two) -> dict:
                 given=sorted(RecordingRunner.given))
 
 
+def kernel_per_shard() -> list:
+    """Max |difference| of the Pallas kernel under `shard_attention` on both devices from the
+    kernel on one: 1 chunk and 2 decode sequences over random pages, without and with a
+    cascade plan (the decode sequences share their first page)."""
+    rng = np.random.default_rng(0)
+    q, k, v = (jnp.asarray(rng.normal(size=shape), jnp.float32)
+               for shape in ((16, 4, 8), (12, 4, 2, 8), (12, 4, 2, 8)))  # Hq=4, Hkv=2, ps=4
+    kv_lens, cu = jnp.array([9, 5, 7], jnp.int32), jnp.array([0, 7, 8, 9], jnp.int32)
+    pages = jnp.array([[0, 1, 2], [3, 4, 0], [3, 5, 0]], jnp.int32)
+    plan = jax.tree.map(jnp.asarray, cascade_arrays([[3, 4], [3, 5]], [5, 7], 4,
+                                                    ([([0, 1], 1)], [1, 1]), 1, 2, 1, 2, 2))
+    attn = functools.partial(ragged_paged_attention, impl="pallas", interpret=True, max_q_len=8,
+                             num_multi_query_seqs=1)
+    sharded = jax.jit(sharding.shard_attention(attn, Mesh(np.array(jax.devices()), ("tp",))))
+    args = (q, k, v, kv_lens, pages, cu, jnp.int32(3))
+    return [float(jnp.abs(sharded(*args, cascade=c) - attn(*args, cascade=c)).max())
+            for c in (None, plan)]
+
+
 def main(path: str) -> None:
     assert len(jax.devices()) == 2, jax.devices()
     one = Engine.from_pretrained(path, config=CONFIG)
@@ -71,9 +104,13 @@ def main(path: str) -> None:
     placed = placed_params(one, two)
     warm = two.warmup()
     sharded = results(two)
+    pallas = Engine.from_pretrained(path, config=dataclasses.replace(
+        CONFIG, tensor_parallel=2, attention_impl="pallas"))
+    assert pallas.runner.impl == "pallas" and pallas.runner.interpret, pallas.runner.impl
     kv, wq = two.runner.state.kv.k, two.runner.params["layers"]["0"]["wq"]
     print(json.dumps(dict(base=base, sharded=sharded, warm=warm, after=two.stats.compiles,
-                          **placed,
+                          **placed, few_base=results(one, few()),
+                          few_pallas=results(pallas, few()), kernel_diff=kernel_per_shard(),
                           kv_heads=int(kv.shape[3]),
                           kv_shard=list(kv.addressable_shards[0].data.shape),
                           wq_shard=list(wq.addressable_shards[0].data.shape))))

@@ -49,13 +49,16 @@ class DeviceState:
 
 def step(params, state: DeviceState, batch: StepBatch, *, model_cfg: ModelConfig,
          layout: PackedLayout, max_q_len: int, impl: str, interpret: bool, page_size: int,
-         head=None):
+         head=None, wrap_attention=None):
     """One mixed forward pass -> (state, packed f32 [layout.size]).
 
     The LM head runs only on the S sampled rows; the pooler only when the step has chunk rows.
+    `wrap_attention(attn_fn) -> attn_fn`, when given, places the attention (the sharded
+    runner's `shard_map` of the Pallas kernel).
     """
     attn_fn = functools.partial(ragged_paged_attention, impl=impl, max_q_len=max_q_len,
                                 num_multi_query_seqs=layout.num_chunk_seqs, interpret=interpret)
+    attn_fn = attn_fn if wrap_attention is None else wrap_attention(attn_fn)
     model = llama.LlamaModel(model_cfg, attn_fn, unrolled=is_unrolled(params))
     hidden, kv = model.apply({"params": params}, batch.tokens, batch.positions, batch.slots,
                              state.kv, batch.meta, batch.adapter_ids)  # [T, d]

@@ -17,13 +17,17 @@ heads and hidden units (their output), o and down on their input, the embedding 
 by vocabulary (replicated when N does not divide it), the KV pages by KV head. When N
 exceeds the KV heads, each KV head is repeated N / Hkv times first (`expand_kv_heads`), so
 every shard holds the KV heads its query heads read (`unexpand_kv_heads` undoes it for
-`Engine.save`). The attention is the XLA one (`EngineConfig` refuses 'pallas' with N > 1:
-the Pallas kernel per shard needs `shard_map`, not built). Host (numpy) weights, as
-`Engine.from_pretrained` reads them with N > 1, are cut on the host and each device gets only
-its shards (`place`: `jax.make_array_from_callback`), and the KV cache and pooler state are
-made on the mesh by a jitted zero-fill: no split leaf of a checkpoint nor the KV cache is ever
-whole on one device. (Random preset weights, LoRA stacks and engine checkpoints, which orbax
-restores whole, are made on the default device, then moved.)
+`Engine.save`). The XLA attention is partitioned by XLA like the rest; the Pallas kernel, a
+custom call XLA cannot split, runs once per shard under `shard_map` (`shard_attention`): each
+device gets its Hq / N query heads and the KV pages of its Hkv / N KV heads (the group is
+unchanged, so it is the TP=1 kernel at fewer heads), the lengths, page tables and cascade plan
+whole, and returns its heads of the output, which `wo` (split on its input) all-reduces.
+Host (numpy) weights, as `Engine.from_pretrained` reads them with N > 1, are cut on the host
+and each device gets only its shards (`place`: `jax.make_array_from_callback`), and the KV
+cache and pooler state are made on the mesh by a jitted zero-fill: no split leaf of a
+checkpoint nor the KV cache is ever whole on one device. (Random preset weights, LoRA stacks
+and engine checkpoints, which orbax restores whole, are made on the default device, then
+moved.)
 """
 from __future__ import annotations
 
@@ -42,6 +46,14 @@ from hetero_jax.models.config import ModelConfig
 from hetero_jax.models.llama import KVCache
 from hetero_jax.runner.batch import batch_spec
 from hetero_jax.runner.decoder import DecoderRunner, DeviceState, step
+
+# The Pallas kernel's outputs carry no varying-axes type, so shard_map's check must be off.
+try:  # jax >= 0.7 (the experimental module is deprecated, and gone in later releases)
+    from jax import shard_map as _shard_map
+    _UNCHECKED = {"check_vma": False}
+except ImportError:  # pragma: no cover - older jax
+    from jax.experimental.shard_map import shard_map as _shard_map
+    _UNCHECKED = {"check_rep": False}
 
 AXIS = "tp"
 PARTITION_RULES = (  # (regex over the leaf path, spec of the leaf without its layer axis)
@@ -147,6 +159,25 @@ def state_shardings(mesh: Mesh, state: DeviceState) -> DeviceState:
                        jax.tree.map(lambda _: replicated, state.sidecar))
 
 
+def shard_attention(attn_fn, mesh: Mesh):
+    """`attn_fn` (a ragged paged attention with its static hints bound, as `step` makes it)
+    run once per shard of `mesh`: q [T, Hq, D] split by query heads, k/v pages
+    [P, page_size, Hkv, D] by KV head, kv_lens [S], page_indices [S, pps], cu_q_lens [S+1],
+    num_seqs [] and the cascade plan replicated -> [T, Hq, D] split by query heads."""
+    heads, pages = P(None, AXIS, None), P(None, None, AXIS, None)
+
+    def sharded(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, cascade=None):
+        def per_shard(q, k, v, meta, plan):  # q [T, Hq/N, D], k/v [P, ps, Hkv/N, D]
+            return attn_fn(q, k, v, *meta, cascade=plan)
+
+        per_device = _shard_map(per_shard, mesh=mesh, in_specs=(heads, pages, pages, P(), P()),
+                                out_specs=heads, **_UNCHECKED)
+        return per_device(q, k_pages, v_pages, (kv_lens, page_indices, cu_q_lens, num_seqs),
+                          cascade)
+
+    return sharded
+
+
 def place(x, sharding: NamedSharding) -> jax.Array:
     """One leaf on its devices. A host (numpy) array is cut on the host and each device gets
     only its own shard, so a checkpoint never sits whole on one device; a device array is
@@ -165,7 +196,7 @@ class ShardedDecoderRunner(DecoderRunner):
         check_tensor_parallel(model_cfg, tensor_parallel, len(devices))
         model_cfg, params = expand_kv_heads(model_cfg, params, tensor_parallel)
         self.mesh = Mesh(np.array(devices[:tensor_parallel]), (AXIS,))  # zero_state needs it
-        super().__init__(model_cfg, dataclasses.replace(cfg, attention_impl="xla"), params)
+        super().__init__(model_cfg, cfg, params)
         self.param_sharding = param_shardings(self.mesh, self.params)
         self.state_sharding = state_shardings(self.mesh, self.state)
         self.params = jax.tree.map(place, self.params, self.param_sharding)
@@ -181,7 +212,9 @@ class ShardedDecoderRunner(DecoderRunner):
             step, model_cfg=self.model_cfg, layout=self.layout(key),
             max_q_len=min(self.cfg.chunk_size, key[0]), impl=self.impl,
             interpret=self.interpret, page_size=self.cfg.page_size,
-            head=self.cfg.buffered_head),
+            head=self.cfg.buffered_head,
+            wrap_attention=functools.partial(shard_attention, mesh=self.mesh)
+            if self.impl == "pallas" else None),
             in_shardings=(self.param_sharding, self.state_sharding, replicated),
             out_shardings=(self.state_sharding, replicated), donate_argnums=(1,))
         return fn.lower(self.params, self.state, batch_spec(self.cfg, *key)).compile()
