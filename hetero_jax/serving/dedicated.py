@@ -90,18 +90,21 @@ def _one_thread_flags(flags: str) -> str:
 
 
 @contextlib.contextmanager
-def _child_env():
-    """XLA_FLAGS for a child started inside (spawn copies the environment at start, so even
-    modules the child imports before `_worker` runs see it); restored afterwards."""
-    before = os.environ.get("XLA_FLAGS")
-    os.environ["XLA_FLAGS"] = _one_thread_flags(before or "")
+def _child_env(**extra: str):
+    """XLA_FLAGS (and the `extra` variables, such as a replica's CUDA_VISIBLE_DEVICES) for a
+    child started inside (spawn copies the environment at start, so even modules the child
+    imports before `_worker` runs see them); restored afterwards."""
+    values = dict(extra, XLA_FLAGS=_one_thread_flags(os.environ.get("XLA_FLAGS") or ""))
+    before = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
     try:
         yield
     finally:
-        if before is None:
-            del os.environ["XLA_FLAGS"]
-        else:
-            os.environ["XLA_FLAGS"] = before
+        for name, value in before.items():
+            if value is None:
+                del os.environ[name]
+            else:
+                os.environ[name] = value
 
 
 def _stop(procs: list, conns: list) -> None:

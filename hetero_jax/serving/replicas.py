@@ -7,7 +7,10 @@ for the same requests, numbered and seeded as one engine would (request ids in s
 order; a prompt without a seed samples with the seed its id gives it), times from `submit`.
 
 Processes and threads. Each replica is a whole `Engine` in a spawned process pinned to its
-own core with one XLA thread (as in `dedicated`; this module imports no jax). The parent
+own core with one XLA thread (as in `dedicated`; this module imports no jax). On a host with
+GPUs each replica also gets its own `tensor_parallel` of them, replica i the parent's GPUs
+[i * tp, (i + 1) * tp), through the child's CUDA_VISIBLE_DEVICES (`device_groups`; more
+replicas than the GPUs serve is refused before any process starts). The parent
 talks to it through one duplex pipe: `("add", [(tag, request)])`, `("abort", [tag])`,
 `("warmup", None)`, `("close", None)`. The worker steps while it has work and reads the pipe
 between steps; after each step it sends `("done", ([(tag, output, None)], stats))` for the
@@ -37,13 +40,15 @@ from hetero_jax.config import EngineConfig
 from hetero_jax.models.presets import preset_config
 from hetero_jax.sched.router import RouterConfig
 from hetero_jax.serving.dedicated import ModelSource, _child_env, _stop
+from hetero_jax.serving.device_groups import device_groups, visible_gpus
 from hetero_jax.serving.placement import router_policy
 from hetero_jax.serving.replica_worker import ERRORS, reader, worker
 from hetero_jax.serving.routed import RoutedReplicas
 
 
 class ReplicaSet(RoutedReplicas):
-    """`num_replicas` engines in their own processes, one core each, behind a `Router`."""
+    """`num_replicas` engines in their own processes, one core (and, on a GPU host, one
+    group of `tensor_parallel` GPUs: `self.gpus`) each, behind a `Router`."""
 
     def __init__(self, spec: ModelSource, num_replicas: int, config: EngineConfig | None = None,
                  router: RouterConfig | str | None = None, cores: tuple | None = None):
@@ -63,6 +68,7 @@ class ReplicaSet(RoutedReplicas):
             raise ValueError("scheduler='dedicated' is an engine of its own; replicas run one "
                              "Engine each: pick ibs, fcfs or homogeneous")
         router_policy(router, config)  # a bad router fails here, before any process starts
+        self.gpus = device_groups(num_replicas, config.tensor_parallel, visible_gpus())
         self.cores, self.num_replicas = cores, num_replicas
         self._events: queue.Queue = queue.Queue()
         self._conns, self._procs = self._start(spec, config)
@@ -91,7 +97,8 @@ class ReplicaSet(RoutedReplicas):
             parent, child = ctx.Pipe()
             proc = ctx.Process(target=worker, name=f"hetero-jax-replica-{i}", daemon=True,
                                args=(i, core, spec, config, child))
-            with _child_env():
+            gpus = {} if self.gpus is None else {"CUDA_VISIBLE_DEVICES": self.gpus[i]}
+            with _child_env(**gpus):
                 proc.start()
             child.close()
             conns.append(parent)
