@@ -40,6 +40,18 @@ def require_ray():
     return ray
 
 
+def join_cluster(ray, address: str | None) -> bool:
+    """`ray.init(address)` unless this process is in a cluster already (None: start a local
+    one); -> whether it started one. An address it cannot reach is a ValueError naming it."""
+    if ray.is_initialized():
+        return False
+    try:
+        ray.init(address=address, include_dashboard=False, log_to_driver=False)
+    except (ConnectionError, ValueError, RuntimeError) as e:
+        raise ValueError(f"cannot reach the Ray cluster at {address!r}: {e}") from None
+    return True
+
+
 class EngineActor:
     """One engine in a Ray worker (made a Ray actor class by `RayReplicaSet`)."""
 
@@ -88,12 +100,7 @@ class RayReplicaSet(RoutedReplicas):
                 num_replicas < 1:
             raise ValueError(f"replicas={num_replicas!r} must be an integer >= 1")
         router_policy(router, config)
-        self.actors, self._owns_ray = [], not ray.is_initialized()
-        if self._owns_ray:
-            try:
-                ray.init(address=address, include_dashboard=False, log_to_driver=False)
-            except (ConnectionError, ValueError, RuntimeError) as e:
-                raise ValueError(f"cannot reach the Ray cluster at {address!r}: {e}") from None
+        self.actors, self._owns_ray = [], join_cluster(ray, address)
         cpus = ray.cluster_resources().get("CPU", 0)
         if num_replicas > cpus:
             self.close()
