@@ -302,3 +302,14 @@ def test_bench_tensor_parallel_reaches_every_contender_config(monkeypatch):
                                   "--tensor-parallel", "2"])
     assert cfg.engine_config().tensor_parallel == 2
     assert bench_cli.parse_config(["--preset", "tiny"]).engine_config().tensor_parallel == 1
+
+
+def test_batch_ray_data_without_ray_names_the_flag(tmp_path, batch_input, monkeypatch, capsys):
+    find_spec = batch_cli.importlib.util.find_spec
+    monkeypatch.setattr(batch_cli.importlib.util, "find_spec",
+                        lambda name: None if name == "ray" else find_spec(name))
+    with pytest.raises(SystemExit) as e:
+        cli.main(["batch", batch_input, "--output", str(tmp_path / "o"), "--ray-data"])
+    line = error_line(e, capsys)  # pyarrow and pandas may be missing too
+    assert "argument --ray-data: needs ray with Ray Data, and ray" in line
+    assert "not installed (pip install 'hetero-jax[ray]')" in line

@@ -1,7 +1,7 @@
 """`hetero-jax batch INPUT --output OUTPUT`: an offline batch job on one engine.
 
     hetero-jax batch INPUT --output OUTPUT [--errors PATH] [--preset tiny | --model DIR]
-                     [--replicas N] [--ray [ADDRESS]] [--tensor-parallel N]
+                     [--replicas N] [--ray [ADDRESS]] [--ray-data] [--tensor-parallel N]
                      [--scheduler ibs] [--token-budget N] ...
 
 In: argv. Every check runs before any model work, and before jax is imported but for
@@ -31,6 +31,8 @@ import time
 from hetero_jax.models.presets import PRESETS, preset_config
 from hetero_jax.offline.job import EngineFront, Tally, count_to_run, run_job
 from hetero_jax.offline.journal import ErrorLog, OutputError, OutputJournal
+from hetero_jax.offline.ray_data import check_ray_data
+from hetero_jax.offline.ray_data import make_front as ray_data_front
 from hetero_jax.offline.replica_front import ReplicaFront
 from hetero_jax.offline.rows import InputError, check_input, read_rows
 from hetero_jax.sched import POLICIES
@@ -71,6 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ray", nargs="?", const="local", default=None, metavar="ADDRESS",
                    help="run the --replicas as Ray actors: on a local Ray cluster, or on the "
                    "cluster at ADDRESS (needs the ray extra)")
+    p.add_argument("--ray-data", action="store_true",
+                   help="run the job as a Ray Data pipeline: map_batches over a pool of "
+                   "--replicas engine actors, on --ray's cluster (default: a local one)")
     p.add_argument("--tensor-parallel", type=ints["tensor_parallel"], default=1, metavar="N",
                    help="split each engine's decoder over N devices (Megatron layout, "
                    "EngineConfig(tensor_parallel=N)); N must divide the model's heads and "
@@ -109,6 +114,7 @@ class Plan:
 def check(parser: argparse.ArgumentParser, args) -> Plan:
     """Every check before any model work, each failure a parser.error naming the value."""
     cores = len(os.sched_getaffinity(0))
+    check_ray_data(parser, args)
     if args.ray is not None and importlib.util.find_spec("ray") is None:
         parser.error(f"argument --ray: --ray {args.ray} needs ray, which is not installed "
                      "(pip install 'hetero-jax[ray]')")
@@ -181,6 +187,9 @@ def make_front(args):
                        scheduler=args.scheduler, seed=args.seed, compile_cache=args.compile_cache,
                        tensor_parallel=args.tensor_parallel)
     in_flight = args.max_in_flight or 4 * cfg.max_num_seqs * args.replicas
+    if args.ray_data:
+        front, where = ray_data_front(args, cfg, in_flight)
+        return front, front, _describe(args, front, cfg, where, in_flight)
     if args.ray is not None:
         from hetero_jax.serving.ray_replicas import RayReplicaSet
 
