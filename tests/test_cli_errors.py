@@ -313,3 +313,20 @@ def test_batch_ray_data_without_ray_names_the_flag(tmp_path, batch_input, monkey
     line = error_line(e, capsys)  # pyarrow and pandas may be missing too
     assert "argument --ray-data: needs ray with Ray Data, and ray" in line
     assert "not installed (pip install 'hetero-jax[ray]')" in line
+
+
+def test_an_unreachable_ray_address_is_named_at_once():
+    import socket
+
+    from hetero_jax.serving.ray_replicas import probe_address
+
+    with socket.socket() as s:  # a port that was free a moment ago: refused
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(ValueError, match=rf"cannot reach the Ray cluster at '127.0.0.1:{port}'"):
+        probe_address(f"127.0.0.1:{port}")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        probe_address(f"ray://127.0.0.1:{s.getsockname()[1]}")  # listening: passes
+    probe_address("auto")  # left to ray.init

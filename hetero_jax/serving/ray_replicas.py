@@ -14,12 +14,15 @@ one comes back as its error), steps the engine until all of them finished and re
 calls in flight (`ray.wait`). A call whose actor died (`RayActorError`) fails its requests
 with a RuntimeError naming the replica; the router sends nothing more there; the others go
 on. `abort` drops a request's result (its call still runs to its end). `ray.init(address)`
-joins a cluster, or with no address starts a local one; an address that cannot be reached
-is a ValueError naming it. Imports no jax (the actors do).
+joins a cluster, or with no address starts a local one; an address that takes no TCP
+connection within `PROBE_S` is a ValueError naming it, before `ray.init` (which would retry it
+for minutes). Imports no jax (the actors do).
 """
 from __future__ import annotations
 
 import os
+import re
+import socket
 
 from hetero_jax.config import EngineConfig
 from hetero_jax.models.presets import preset_config
@@ -28,6 +31,8 @@ from hetero_jax.serving.dedicated import EMBED_ROLE, ModelSource, _one_thread_fl
 from hetero_jax.serving.placement import router_policy
 from hetero_jax.serving.replica_worker import engine_info
 from hetero_jax.serving.routed import RoutedReplicas
+
+PROBE_S = 5.0  # how long an address may take to accept a TCP connection
 
 
 def require_ray():
@@ -45,11 +50,28 @@ def join_cluster(ray, address: str | None) -> bool:
     one); -> whether it started one. An address it cannot reach is a ValueError naming it."""
     if ray.is_initialized():
         return False
+    if address is not None:
+        probe_address(address)
     try:
         ray.init(address=address, include_dashboard=False, log_to_driver=False)
     except (ConnectionError, ValueError, RuntimeError) as e:
         raise ValueError(f"cannot reach the Ray cluster at {address!r}: {e}") from None
     return True
+
+
+def probe_address(address: str, timeout_s: float = PROBE_S) -> None:
+    """A `host:port` (or `ray://host:port`) address that takes no TCP connection within
+    `timeout_s` is a ValueError naming it (`ray.init` would retry it for minutes); other
+    forms ('auto') are left to `ray.init`."""
+    match = re.fullmatch(r"(?:ray://)?\[?([^\[\]]+?)\]?:(\d+)", address)
+    if match is None:
+        return
+    try:
+        socket.create_connection((match[1], int(match[2])), timeout=timeout_s).close()
+    except OSError as e:
+        raise ValueError(f"cannot reach the Ray cluster at {address!r}: "
+                         f"{e.strerror or type(e).__name__} (no TCP connection within "
+                         f"{timeout_s:g} s)") from None
 
 
 class EngineActor:
