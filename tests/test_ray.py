@@ -69,7 +69,10 @@ def test_the_ray_data_job_writes_the_rows_and_errors_of_the_local_path(cluster, 
     front = RayDataFront(ModelSource(preset="tiny"), one.model_cfg, 2, EngineConfig(**CONFIG),
                          max_in_flight=6)
     assert front.batch_size(12) == 3 and front.batch_size(3) == 2  # 2 engines, 3 rows each
+    sizes, serve = [], front.serve  # each batch comes back as it finishes, on its own
+    front.serve = lambda items: (sizes.append(len(batch)) or batch for batch in serve(items))
     tally = run_rows(inp, tmp_path / "ray.jsonl", front)
+    assert sorted(sizes) == [2, 2, 3, 3, 3]  # 13 rows run (one refused) in 5 blocks of <= 3
     assert_same_rows(by_id(read_jsonl(tmp_path / "ray.jsonl")), want)
     assert (tally.skipped, tally.written, tally.bad_rows, tally.refused) == (5, 12, 1, 1)
     errors = {e["line"]: (e["stage"], e["error"]) for e in

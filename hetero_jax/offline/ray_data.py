@@ -4,15 +4,15 @@ In: the (row, request) pairs the job's `Feed` yields: the driver reads the input
 `ray.data.read_json`), so the ids OUTPUT holds are skipped and the bad rows go to ERRORS with
 their line numbers before the pipeline starts. `RayDataFront.serve` numbers the pairs and
 makes one dataset row of each, `{"i": its number, "request": the request, pickled}`
-(`ray.data.from_items`, in blocks of `batch_size` rows), and maps the blocks with
-`map_batches(EngineBatcher, compute=ActorPoolStrategy(size=N), num_cpus=1, num_gpus=g)`: an
-actor pool of N engines (one GPU each when the cluster has GPUs, else one XLA thread each),
+(`ray.data.from_items`, in blocks of at most `batch_size` rows, a block a batch), and maps
+them with `map_batches(EngineBatcher, compute=ActorPoolStrategy(size=N), num_cpus=1,
+num_gpus=g)`: an actor pool of N engines (one GPU each when the cluster has GPUs, else one XLA thread each),
 one batch in flight per actor, so at most `max_in_flight` rows run at a time. An
 `EngineBatcher` prepares each request of its batch (one the engine's checks refuse comes
 back as that ValueError or TypeError), enqueues the rest, steps its engine until all of them
 finished and returns `{"i", "result": the output or the error, pickled, "stats": its
-EngineStats, pickled}` (Ray Data would merge a generator's smaller yields into one block
-anyway).
+EngineStats, pickled, in the first row}` (as a generator yielding each step's results it
+gained nothing: Ray Data merged the yields into one block).
 
 Out: the driver iterates the mapped dataset (`iter_batches`, a block as each batch finishes)
 and hands each back to `offline.job.run_job` as a list of (row, result), which writes it
@@ -75,9 +75,9 @@ class EngineBatcher:
         while engine.has_work():  # an exception here fails the pipeline, and the job
             results += [(numbers.pop(r.request_id), engine.output(r)) for r in engine.step()]
         assert not numbers, f"{len(numbers)} requests unfinished, the engine idle"
-        stats = pickle.dumps((self.name, engine.stats))
+        stats = [pickle.dumps((self.name, engine.stats))] + [b""] * (len(results) - 1)
         return {"i": [i for i, _ in results], "result": [pickle.dumps(r) for _, r in results],
-                "stats": [stats] * len(results)}
+                "stats": stats}
 
 
 class RayDataFront:
@@ -120,7 +120,7 @@ class RayDataFront:
             return
         for block in self._pipeline(records).iter_batches(batch_size=None,
                                                           batch_format="numpy"):
-            for blob in set(block["stats"]):
+            for blob in block["stats"][:1]:  # the batch's engine stats, in its first row
                 name, stats = pickle.loads(blob)
                 self._stats[name] = stats
             yield [(keys[i], pickle.loads(r)) for i, r in zip(block["i"], block["result"])]
@@ -131,9 +131,11 @@ class RayDataFront:
         env = None if self.num_gpus else {  # one XLA thread per engine, as the replicas
             "env_vars": {"XLA_FLAGS": _one_thread_flags(os.environ.get("XLA_FLAGS", ""))}}
         pool = ray.data.ActorPoolStrategy(size=self.num_replicas, max_tasks_in_flight_per_actor=1)
+        # batch_size=None: a block is one batch, so it comes back as soon as it is done (a
+        # batch_size would bundle blocks until they hold that many rows, and hold both back)
         data = ray.data.from_items(records, override_num_blocks=math.ceil(len(records) / size))
         return data.map_batches(EngineBatcher, fn_constructor_args=(self.spec, self.config),
-                                batch_size=size, batch_format="numpy", compute=pool, num_cpus=1,
+                                batch_size=None, batch_format="numpy", compute=pool, num_cpus=1,
                                 num_gpus=self.num_gpus or None, runtime_env=env)
 
     @property
