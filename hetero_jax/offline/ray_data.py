@@ -8,10 +8,9 @@ makes one dataset row of each, `{"i": its number, "request": the request, pickle
 them with `map_batches(EngineBatcher, compute=ActorPoolStrategy(size=N), num_cpus=1,
 num_gpus=g)`: an actor pool of N engines (one GPU each when the cluster has GPUs, else one
 XLA thread each), one batch in flight per actor, so at most `max_in_flight` rows run at a
-time. An
-`EngineBatcher` prepares each request of its batch (one the engine's checks refuse comes
-back as that ValueError or TypeError), enqueues the rest, steps its engine until all of them
-finished and returns `{"i", "result": the output or the error, pickled, "stats": its
+time. An `EngineBatcher` prepares each request of its batch (one the engine's checks refuse
+comes back as that ValueError or TypeError), enqueues the rest, steps its engine until all
+of them finished and returns `{"i", "result": the output or the error, pickled, "stats": its
 EngineStats, pickled, in the first row}` (as a generator yielding each step's results it
 gained nothing: Ray Data merged the yields into one block).
 
