@@ -5,7 +5,9 @@ TP=2 on two host devices (a subprocess with XLA_FLAGS) gives TP=1's greedy token
 log-probs (fp32, 1e-5) and embeddings (cosine > 0.99999) on a tiny Hugging Face Llama with
 GQA 4:1 (so its one KV head is repeated per shard), with no compile after warm-up, its
 checkpoint handed over on the host and placed shard by shard equal to TP=1's params; the
-Pallas kernel per shard (shard_map, interpret mode) gives the same on a few tokens."""
+Pallas kernel per shard (shard_map, interpret mode) gives the same on a few tokens; TP=1's
+`Engine.save` restored at TP=2 (`Engine.load`) straight into the table's shards (the K/V whose
+head is repeated on the host) and a preset made at TP=2 (on the host) give TP=1's results."""
 import json
 import os
 import subprocess
@@ -119,12 +121,13 @@ def _assert_same(base: list, sharded: list) -> None:
 
 
 @pytest.mark.slow  # a subprocess that imports torch, compiles twice, runs Pallas interpreted
-def test_tp2_on_two_host_devices_equals_tp1(hf_model):
+def test_tp2_on_two_host_devices_equals_tp1(hf_model, tmp_path):
     path, _ = hf_model("llama3")  # 4 query heads, 1 KV head
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
                JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "tp_script.py"), path],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "tp_script.py"), path,
+                           str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads(proc.stdout.strip().splitlines()[-1])
     assert r["kv_heads"] == 2 and r["kv_shard"][3] == 1, "one (repeated) KV head per shard"
@@ -135,6 +138,16 @@ def test_tp2_on_two_host_devices_equals_tp1(hf_model):
     _assert_same(r["base"], r["sharded"])
     _assert_same(r["few_base"], r["few_pallas"])  # the Pallas kernel once per shard
     assert max(r["kernel_diff"]) < 1e-5, r["kernel_diff"]  # without and with a cascade plan
+    # Engine.save at TP=1, Engine.load at TP=2: restored into the shards (K/V on the host, as
+    # the runner repeats their one head), laid out by the table, TP=1's greedy results.
+    restored = r["restored"]
+    assert restored["host_leaves"] == ["layers/wk", "layers/wv"], restored["host_leaves"]
+    assert restored["given_laid_out"] and restored["laid_out"], restored
+    _assert_same(r["base_greedy"], restored["results"])
+    assert r["tiny_targets_sharded"], "with no head repeated, every leaf restored in shards"
+    # A preset at TP=2: its random weights made on the host, then placed shard by shard.
+    assert r["preset"]["given"] == ["ndarray"] and r["preset"]["laid_out"], r["preset"]
+    _assert_same(r["preset_base"], r["preset"]["results"])
 
 
 @pytest.mark.slow  # two batch jobs in subprocesses on the tiny preset: about 20 s

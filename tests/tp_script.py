@@ -3,7 +3,8 @@ one engine at TP=1 and at TP=2 (EngineConfig(tensor_parallel=2)), and a few on T
 Pallas kernel per shard (interpret mode: slow, so few tokens); prints the results as JSON,
 with what the TP=2 runner was given (host arrays?), whether its placed params equal the TP=1
 engine's, and how far the kernel under shard_map is from the unsharded kernel (with and
-without a cascade plan)."""
+without a cascade plan); then the TP=1 engine saved and loaded at TP=2 and its model made as a
+preset at TP=1 and TP=2 (`restored_and_preset`). argv: the model directory, a scratch path."""
 import dataclasses
 import functools
 import json
@@ -16,6 +17,7 @@ from jax.sharding import Mesh
 
 from hetero_jax import EmbedRequest, Engine, EngineConfig, GenerateRequest, PoolingParams, \
     SamplingParams
+from hetero_jax.models.presets import preset_config
 from hetero_jax.ops import ragged_paged_attention
 from hetero_jax.ops.cascade import cascade_arrays
 from hetero_jax.runner import sharding
@@ -52,13 +54,29 @@ def results(engine, batch=None) -> list:
 
 
 class RecordingRunner(sharding.ShardedDecoderRunner):
-    """The sharded runner, recording the types of the weights the Engine hands it."""
+    """The sharded runner, recording the types of the weights the Engine hands it, which
+    leaves come on the host, and whether the others already lie over both devices as the
+    table says."""
 
     given: set = set()
+    host_leaves: list = []
+    given_laid_out: bool = False
 
     def __init__(self, model_cfg, cfg, params, *args, **kw):
-        RecordingRunner.given = {type(x).__name__ for x in jax.tree.leaves(params)}
+        leaves = jax.tree_util.tree_leaves_with_path(params)
+        RecordingRunner.given = {type(x).__name__ for _, x in leaves}
+        RecordingRunner.host_leaves = [sharding._path(p) for p, x in leaves
+                                       if isinstance(x, np.ndarray)]
+        RecordingRunner.given_laid_out = laid_out(params, np.ndarray)
         super().__init__(model_cfg, cfg, params, *args, **kw)
+
+
+def laid_out(params, *also) -> bool:
+    """Every leaf (not of the types `also`) split over both devices as the table says."""
+    return all(
+        isinstance(x, also) or (x.sharding.spec == sharding.leaf_spec(sharding._path(p), x.shape, 2)
+                                and len(x.sharding.device_set) == 2)
+        for p, x in jax.tree_util.tree_leaves_with_path(params))
 
 
 def placed_params(one, two) -> dict:
@@ -67,12 +85,39 @@ def placed_params(one, two) -> dict:
     plain = jax.tree_util.tree_leaves_with_path(one.runner.params)
     placed = jax.tree.leaves(sharding.unexpand_kv_heads(two.model_cfg, two.runner.params))
     equal = all(np.array_equal(np.asarray(a), np.asarray(b)) for (_, a), b in zip(plain, placed))
-    laid_out = all(
-        x.sharding.spec == sharding.leaf_spec(sharding._path(p), x.shape, 2)
-        and len(x.sharding.device_set) == 2
-        for p, x in jax.tree_util.tree_leaves_with_path(two.runner.params))
-    return dict(params_equal=equal and len(plain) == len(placed), laid_out=laid_out,
-                given=sorted(RecordingRunner.given))
+    return dict(params_equal=equal and len(plain) == len(placed),
+                laid_out=laid_out(two.runner.params), given=sorted(RecordingRunner.given))
+
+
+def restored_and_preset(one, tmp: str) -> dict:
+    """`one` (TP=1) saved and restored at TP=2 (`Engine.load`), and its model made as a preset
+    (random weights) at TP=1 and at TP=2, with greedy results and what each TP=2 runner was
+    given; and whether the tiny preset's restore targets (four KV heads, none repeated) put
+    every leaf in its shards. One model and config throughout: every step variant is in the
+    persistent compilation cache already."""
+    tp2 = dataclasses.replace(CONFIG, tensor_parallel=2)
+    one.save(tmp)
+    loaded = Engine.load(tmp, config=tp2)
+    restored = dict(host_leaves=RecordingRunner.host_leaves,
+                    given_laid_out=RecordingRunner.given_laid_out,
+                    laid_out=laid_out(loaded.runner.params), results=results(loaded, greedy()))
+    engine_module.preset_config = lambda name: one.model_cfg
+    preset_one = Engine.from_preset("test", seed=1, config=CONFIG)
+    preset_two = Engine.from_preset("test", seed=1, config=tp2)
+    preset = dict(given=sorted(RecordingRunner.given), laid_out=laid_out(
+        preset_two.runner.params), results=results(preset_two, greedy()))
+    targets = jax.tree_util.tree_leaves_with_path(
+        sharding.restore_targets(preset_config("tiny"), 2, jnp.float32))
+    return dict(restored=restored, preset=preset, base_greedy=results(one, greedy()),
+                preset_base=results(preset_one, greedy()), tiny_targets_sharded=all(
+                    isinstance(t, jax.ShapeDtypeStruct) and len(t.sharding.device_set) == 2
+                    and t.sharding.spec == sharding.leaf_spec(sharding._path(p), t.shape, 2)
+                    for p, t in targets))
+
+
+def greedy() -> list:
+    """The greedy requests of `requests()` (the log-probs to compare)."""
+    return [r for r in requests() if isinstance(r, GenerateRequest) and r.params.temperature == 0]
 
 
 def kernel_per_shard() -> list:
@@ -94,7 +139,7 @@ def kernel_per_shard() -> list:
             for c in (None, plan)]
 
 
-def main(path: str) -> None:
+def main(path: str, tmp: str) -> None:
     assert len(jax.devices()) == 2, jax.devices()
     one = Engine.from_pretrained(path, config=CONFIG)
     base = results(one)
@@ -113,8 +158,9 @@ def main(path: str) -> None:
                           few_pallas=results(pallas, few()), kernel_diff=kernel_per_shard(),
                           kv_heads=int(kv.shape[3]),
                           kv_shard=list(kv.addressable_shards[0].data.shape),
-                          wq_shard=list(wq.addressable_shards[0].data.shape))))
+                          wq_shard=list(wq.addressable_shards[0].data.shape),
+                          **restored_and_preset(one, tmp))))
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(*sys.argv[1:])

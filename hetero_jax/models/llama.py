@@ -76,14 +76,16 @@ def param_shapes(cfg: ModelConfig) -> dict:
     return shapes
 
 
-def init_params(cfg: ModelConfig, seed: int, dtype=jnp.float32) -> dict:
-    """Random weights (normal, std 0.02; norms at one), deterministic in `seed`."""
-    rng = np.random.default_rng(seed)
+def init_params(cfg: ModelConfig, seed: int, dtype=jnp.float32, on_host: bool = False) -> dict:
+    """Random weights (normal, std 0.02; norms at one), deterministic in `seed`: on the default
+    device, or `on_host` as numpy arrays of the same values (for the tensor-parallel runner,
+    which puts each shard straight on its device)."""
+    rng, xp = np.random.default_rng(seed), np if on_host else jnp
 
     def make(name, shape):
         if name.endswith("norm"):
-            return jnp.ones(shape, dtype)
-        return jnp.asarray(rng.standard_normal(shape, np.float32) * 0.02, dtype)
+            return xp.ones(shape, dtype)
+        return xp.asarray(rng.standard_normal(shape, np.float32) * 0.02, dtype)
 
     shapes = param_shapes(cfg)
     params = {k: make(k, v) for k, v in shapes.items() if k != "layers"}

@@ -37,8 +37,9 @@ def projection_dims(cfg: ModelConfig) -> dict:
                 w_down=(f, d))
 
 
-def stack_adapters(adapters: list, cfg: ModelConfig, dtype) -> dict:
-    """Adapters -> {lora_a_<w>: [L, A, in, r_max], lora_b_<w>: [L, A, r_max, out]} in `dtype`.
+def stack_adapters(adapters: list, cfg: ModelConfig, dtype, on_host: bool = False) -> dict:
+    """Adapters -> {lora_a_<w>: [L, A, in, r_max], lora_b_<w>: [L, A, r_max, out]} in `dtype`,
+    on the default device or `on_host` as numpy arrays (for the tensor-parallel runner).
 
     B carries the adapter's scale; ranks below r_max and untargeted projections are zeros, so
     every adapter contributes exactly `scale * x @ A @ B` where it is selected and 0 elsewhere.
@@ -56,8 +57,8 @@ def stack_adapters(adapters: list, cfg: ModelConfig, dtype) -> dict:
             if key in ad.weights:
                 a[:, j, :, :ad.rank] = ad.weights[key][0]
                 b[:, j, :ad.rank, :] = ad.weights[key][1].astype(np.float32) * ad.scale
-        stacked[f"lora_a_{key}"] = jnp.asarray(a, dtype)
-        stacked[f"lora_b_{key}"] = jnp.asarray(b, dtype)
+        to_array = np.asarray if on_host else jnp.asarray
+        stacked[f"lora_a_{key}"], stacked[f"lora_b_{key}"] = to_array(a, dtype), to_array(b, dtype)
     return stacked
 
 

@@ -42,8 +42,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from hetero_jax.config import EngineConfig
+from hetero_jax.models import llama
 from hetero_jax.models.config import ModelConfig
-from hetero_jax.models.llama import KVCache
 from hetero_jax.runner.batch import batch_spec
 from hetero_jax.runner.decoder import DecoderRunner, DeviceState, step
 
@@ -154,7 +154,7 @@ def state_shardings(mesh: Mesh, state: DeviceState) -> DeviceState:
     """KV pages by KV head; the pooler's state and page sidecars replicated."""
     replicated = NamedSharding(mesh, P())
     kv = NamedSharding(mesh, KV_SPEC)
-    return DeviceState(KVCache(kv, kv), jax.tree.map(lambda _: replicated, state.pool),
+    return DeviceState(llama.KVCache(kv, kv), jax.tree.map(lambda _: replicated, state.pool),
                        None if state.sidecar is None else
                        jax.tree.map(lambda _: replicated, state.sidecar))
 
@@ -178,6 +178,32 @@ def shard_attention(attn_fn, mesh: Mesh):
     return sharded
 
 
+def tp_mesh(n: int, devices: list | None = None) -> Mesh:
+    """The `("tp",)` mesh of the first n devices (of `jax.devices()` unless given)."""
+    return Mesh(np.array((jax.devices() if devices is None else devices)[:n]), (AXIS,))
+
+
+def restore_targets(cfg: ModelConfig, n: int, dtype, devices: list | None = None) -> dict:
+    """orbax restore targets for an engine checkpoint of `cfg` (stacked, as `Engine.save`
+    writes it) at degree n: each leaf a `jax.ShapeDtypeStruct` in `dtype` under its table
+    sharding on the runner's mesh, so orbax reads each device's shard straight onto it; the
+    K/V leaves whose heads are repeated (n > Hkv) a host array instead, which the runner
+    repeats and places like a Hugging Face checkpoint's. Checks n first (nothing is read)."""
+    devices = jax.devices() if devices is None else devices
+    check_tensor_parallel(cfg, n, len(devices))
+    mesh, expand = tp_mesh(n, devices), n > cfg.num_kv_heads
+
+    def target(path, shape):
+        name = _path(path)
+        if expand and name.rsplit("/", 1)[-1] in KV_LEAVES:
+            return np.zeros(shape, dtype)  # a numpy target: orbax restores it to the host
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(
+            mesh, leaf_spec(name, shape, n)))
+
+    return jax.tree_util.tree_map_with_path(target, llama.param_shapes(cfg),
+                                            is_leaf=lambda x: isinstance(x, tuple))
+
+
 def place(x, sharding: NamedSharding) -> jax.Array:
     """One leaf on its devices. A host (numpy) array is cut on the host and each device gets
     only its own shard, so a checkpoint never sits whole on one device; a device array is
@@ -195,7 +221,7 @@ class ShardedDecoderRunner(DecoderRunner):
         devices = jax.devices() if devices is None else devices
         check_tensor_parallel(model_cfg, tensor_parallel, len(devices))
         model_cfg, params = expand_kv_heads(model_cfg, params, tensor_parallel)
-        self.mesh = Mesh(np.array(devices[:tensor_parallel]), (AXIS,))  # zero_state needs it
+        self.mesh = tp_mesh(tensor_parallel, devices)  # zero_state needs it
         super().__init__(model_cfg, cfg, params)
         self.param_sharding = param_shardings(self.mesh, self.params)
         self.state_sharding = state_shardings(self.mesh, self.state)

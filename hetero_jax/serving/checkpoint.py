@@ -114,8 +114,11 @@ def _tokenizer(kind: str, path: str, cfg: ModelConfig):
     return tokenizer
 
 
-def load(path: str):
-    """-> (ModelConfig, params, tokenizer or None), every param checked against the config."""
+def load(path: str, targets=None):
+    """-> (ModelConfig, params, tokenizer or None), every param checked against the config.
+    `targets(cfg)`, when given, makes the orbax restore target of the config's params (as
+    `runner.sharding.restore_targets` does: each leaf restored straight into its sharding, or
+    to the host); without it they are restored whole, as saved."""
     path = os.path.abspath(path)
     meta_path, params_dir = os.path.join(path, "model.json"), os.path.join(path, "params")
     if not os.path.isfile(meta_path):
@@ -128,8 +131,9 @@ def load(path: str):
     cfg = _model_config(meta, meta_path)
     with ocp.StandardCheckpointer() as ckpt:
         check_params(_saved_shapes(ckpt, params_dir), cfg, params_dir, meta_path)
+        target = targets(cfg) if targets else None  # before a byte is read: may refuse
         try:
-            params = ckpt.restore(params_dir)
+            params = ckpt.restore(params_dir, target)
         except Exception as e:  # orbax and TensorStore raise many types
             raise ValueError(f"{params_dir}: cannot restore the orbax checkpoint "
                              f"({_short(e)})") from e

@@ -11,6 +11,7 @@ same steps (`run`); `add`/`step`/`abort`/`output` expose the loop to `AsyncEngin
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import itertools
 import threading
@@ -34,7 +35,7 @@ from hetero_jax.outputs import EngineStats
 from hetero_jax.runner.batch import pack_batch
 from hetero_jax.runner.decoder import DecoderRunner
 from hetero_jax.runner.sharding import ShardedDecoderRunner, check_tensor_parallel, \
-    unexpand_kv_heads
+    restore_targets, unexpand_kv_heads
 from hetero_jax.sched import RunnerOutput, Scheduler, SchedulerConfig
 from hetero_jax.sched.hashing import chain_seed
 from hetero_jax.serving import checkpoint
@@ -60,13 +61,13 @@ class Engine(BatchAPI):
         max_len = min(model_cfg.max_position_embeddings, model_cfg.sliding_window or 2**31)
         self.config = c = (config or EngineConfig()).resolve(max_len, kv_bytes)
         self.model_cfg, self.tokenizer, self.encoder = model_cfg, tokenizer, encoder
-        # With tensor_parallel the weights stay on the host: the sharded runner puts each
-        # shard straight on its device.
-        to_array = np.asarray if c.tensor_parallel > 1 else jnp.asarray
-        params = jax.tree.map(lambda x: to_array(x, dtype), params)
+        # With tensor_parallel the weights stay on the host, or as sharded as they came (an
+        # engine checkpoint restored into its shardings): the sharded runner places the rest.
+        params = jax.tree.map(lambda x: _as_dtype(x, dtype, c.tensor_parallel > 1), params)
         adapter_ids = {name: i + 1 for i, name in enumerate(adapters or {})}  # 0 = base
         if adapters:
-            stacked = lora.stack_adapters(list(adapters.values()), model_cfg, dtype)
+            stacked = lora.stack_adapters(list(adapters.values()), model_cfg, dtype,
+                                          on_host=c.tensor_parallel > 1)
             params = dict(params, layers=lora.merge_lora_layers(params["layers"], stacked))
         if c.max_logprobs > model_cfg.vocab_size:
             raise ValueError(f"max_logprobs={c.max_logprobs} exceeds the vocabulary of "
@@ -105,7 +106,9 @@ class Engine(BatchAPI):
         _check_tensor_parallel(cfg, config)
         dtype = jnp.dtype((config or EngineConfig()).dtype)
         encoder = SeparateEncoder.from_pretrained(embed_model, dtype) if embed_model else None
-        return cls(cfg, llama.init_params(cfg, seed), ByteTokenizer(), config, encoder)
+        on_host = (config or EngineConfig()).tensor_parallel > 1  # the runner places shards
+        return cls(cfg, llama.init_params(cfg, seed, on_host=on_host), ByteTokenizer(), config,
+                   encoder)
 
     @classmethod
     def from_pretrained(cls, path: str, config: EngineConfig | None = None,
@@ -138,7 +141,12 @@ class Engine(BatchAPI):
 
     @classmethod
     def load(cls, path: str, config: EngineConfig | None = None) -> "Engine":
-        model_cfg, params, tokenizer = checkpoint.load(path)
+        """An engine checkpoint (`save`). With tensor_parallel=N > 1 orbax restores each param
+        straight into its shards on the N devices (`runner.sharding.restore_targets`)."""
+        c = config or EngineConfig()
+        targets = functools.partial(restore_targets, n=c.tensor_parallel, dtype=jnp.dtype(
+            c.dtype)) if c.tensor_parallel > 1 else None
+        model_cfg, params, tokenizer = checkpoint.load(path, targets)
         return cls(model_cfg, params, tokenizer, config)
 
     # -- serving -----------------------------------------------------------------------------
@@ -292,6 +300,14 @@ class Engine(BatchAPI):
         self.stats.compiles = sum(r.compiles for r in runners)
         self.stats.compile_loads = self.runner.compile_loads
         self.stats.compile_s = sum(r.compile_s for r in runners)
+
+
+def _as_dtype(x, dtype, keep_placement: bool):
+    """A param in `dtype`: on the default device, or (`keep_placement`) where it is, a
+    numpy array on the host and a jax array on its devices."""
+    if not keep_placement:
+        return jnp.asarray(x, dtype)
+    return x.astype(dtype) if isinstance(x, jax.Array) else np.asarray(x, dtype)
 
 
 def _check_tensor_parallel(model_cfg: ModelConfig, config: EngineConfig | None) -> None:
