@@ -22,12 +22,14 @@ custom call XLA cannot split, runs once per shard under `shard_map` (`shard_atte
 device gets its Hq / N query heads and the KV pages of its Hkv / N KV heads (the group is
 unchanged, so it is the TP=1 kernel at fewer heads), the lengths, page tables and cascade plan
 whole, and returns its heads of the output, which `wo` (split on its input) all-reduces.
-Host (numpy) weights, as `Engine.from_pretrained` reads them with N > 1, are cut on the host
-and each device gets only its shards (`place`: `jax.make_array_from_callback`), and the KV
-cache and pooler state are made on the mesh by a jitted zero-fill: no split leaf of a
-checkpoint nor the KV cache is ever whole on one device. (Random preset weights, LoRA stacks
-and engine checkpoints, which orbax restores whole, are made on the default device, then
-moved.)
+No split leaf nor the KV cache is ever whole on one device. Host (numpy) weights, as the
+Engine makes them with N > 1 (`from_pretrained`'s checkpoint, preset random weights, LoRA
+stacks), are cut on the host and each device gets only its shards (`place`:
+`jax.make_array_from_callback`). An engine checkpoint (`Engine.load`) is restored by orbax into
+`restore_targets`: each leaf straight into its sharding on `tp_mesh` (the runner's mesh, so
+`place` then moves nothing), except the K/V leaves whose heads are repeated, which come to the
+host and take the host path. The KV cache and pooler state are made on the mesh by a jitted
+zero-fill.
 """
 from __future__ import annotations
 
