@@ -268,14 +268,22 @@ def test_batch_tensor_parallel_with_replicas_needs_devices_for_each(tmp_path, ba
         cli.main(argv)
 
 
-def test_batch_tensor_parallel_with_ray_is_refused(tmp_path, batch_input, monkeypatch, capsys):
+@pytest.mark.parametrize("ray_flag", ["--ray", "--ray-data"])
+def test_batch_tensor_parallel_on_ray_checks_the_model_not_this_hosts_devices(
+        tmp_path, batch_input, monkeypatch, capsys, ray_flag):
+    """The actors get their devices from the cluster: TP=2 with one local device passes the
+    checks (the work starts), TP=3 on the tiny preset's heads does not."""
     find_spec = batch_cli.importlib.util.find_spec
     monkeypatch.setattr(batch_cli.importlib.util, "find_spec",
-                        lambda name: object() if name == "ray" else find_spec(name))
+                        lambda name: object() if name in ("ray", "pyarrow", "pandas")
+                        else find_spec(name))
+    argv = ["batch", batch_input, "--output", str(tmp_path / "o"), ray_flag, "--preset", "tiny",
+            "--tensor-parallel"]
+    with pytest.raises(AssertionError, match="the work started"):
+        cli.main(argv + ["2"])
     with pytest.raises(SystemExit) as e:
-        cli.main(["batch", batch_input, "--output", str(tmp_path / "o"), "--ray",
-                  "--tensor-parallel", "2"])
-    assert "argument --tensor-parallel: --tensor-parallel 2 with --ray is not built" in \
+        cli.main(argv + ["3"])
+    assert "argument --tensor-parallel: tensor_parallel=3 does not divide num_heads" in \
         error_line(e, capsys)
 
 

@@ -99,6 +99,18 @@ def test_batch_ray_data_runs_the_job_on_the_cluster(cluster, tmp_path, capsys):
         in text and "6 rows written, 0 already there" in text and "1 rows (1 bad rows" in text
 
 
+def test_a_ray_actor_shards_its_engine_over_tensor_parallel_devices(cluster):
+    """A TP=2 replica on a CPU cluster: its actor is shown two host devices (an engine at
+    tensor_parallel=2 on one device refuses to build) and gives what TP=1 gives."""
+    from hetero_jax.serving.ray_replicas import RayReplicaSet
+
+    want = Engine.from_preset("tiny", config=EngineConfig(**CONFIG)).run(requests(), False)
+    with RayReplicaSet.from_preset("tiny", 1,
+                                   config=EngineConfig(**CONFIG, tensor_parallel=2)) as rs:
+        assert_same(rs.run(requests()), want)
+    assert ray.is_initialized()  # the cluster is the test's
+
+
 def test_ray_replicas_give_what_one_engine_gives(ray_replicas):
     one = Engine.from_preset("tiny", config=EngineConfig(**CONFIG))
     want = one.run(requests(), False)
@@ -122,5 +134,5 @@ def test_the_ray_batch_job_writes_the_rows_of_the_local_path(ray_replicas, tmp_p
 def test_too_many_replicas_for_the_cluster_name_the_value(ray_replicas):
     from hetero_jax.serving.ray_replicas import RayReplicaSet
 
-    with pytest.raises(ValueError, match="replicas=3 needs one CPU each; the Ray cluster has 2"):
+    with pytest.raises(ValueError, match="replicas=3 needs 1 CPU each; the Ray cluster has 2"):
         RayReplicaSet.from_preset("tiny", 3, config=EngineConfig(**CONFIG))

@@ -152,16 +152,12 @@ def check(parser: argparse.ArgumentParser, args) -> Plan:
 
 
 def check_tensor_parallel(parser: argparse.ArgumentParser, args) -> None:
-    """--tensor-parallel against --ray, --replicas, the model and the devices jax sees (jax is
-    imported only for N > 1), before any model work; a failure names the values."""
+    """--tensor-parallel against the model, and, on this host (no --ray / --ray-data, whose
+    actors get their devices from the cluster), against --replicas and the devices jax sees
+    (jax is imported only for N > 1), before any model work; a failure names the values."""
     n = args.tensor_parallel
     if n == 1:
         return
-    if args.ray is not None:
-        parser.error(f"argument --tensor-parallel: --tensor-parallel {n} with --ray is not "
-                     "built (the actors are given no devices to split over)")
-    import jax
-
     from hetero_jax.models.formats.hf_llama import read_model_config
     from hetero_jax.runner.sharding import check_tensor_parallel as check_model
 
@@ -170,6 +166,10 @@ def check_tensor_parallel(parser: argparse.ArgumentParser, args) -> None:
                     n, n)
     except (ValueError, OSError) as e:
         parser.error(f"argument --tensor-parallel: {e}")
+    if args.ray is not None or args.ray_data:
+        return
+    import jax
+
     devices, kind = len(jax.devices()), jax.default_backend()
     if args.replicas * n > devices:
         need = (f"with --replicas {args.replicas} needs {args.replicas * n} devices ({n} per "

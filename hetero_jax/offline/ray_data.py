@@ -28,7 +28,6 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import math
-import os
 import pickle
 import uuid
 from collections.abc import Iterable, Iterator
@@ -36,8 +35,8 @@ from collections.abc import Iterable, Iterator
 from hetero_jax.config import EngineConfig
 from hetero_jax.models.presets import preset_config
 from hetero_jax.outputs import EngineStats
-from hetero_jax.serving.dedicated import EMBED_ROLE, ModelSource, _one_thread_flags
-from hetero_jax.serving.ray_replicas import join_cluster, require_ray
+from hetero_jax.serving.dedicated import EMBED_ROLE, ModelSource
+from hetero_jax.serving.ray_replicas import actor_resources, join_cluster, require_ray
 
 
 def require_data():
@@ -94,7 +93,8 @@ class RayDataFront:
         self.num_replicas, self.max_in_flight = num_replicas, max_in_flight
         self._owns_ray = join_cluster(ray, address)
         have = ray.cluster_resources()
-        self.num_gpus = (1 if have.get("GPU", 0) else 0) if num_gpus is None else num_gpus
+        tp = config.tensor_parallel  # GPUs per engine (None: its TP degree if there are GPUs)
+        self.num_gpus = (tp if have.get("GPU", 0) else 0) if num_gpus is None else num_gpus
         for kind, each in (("CPU", 1), ("GPU", self.num_gpus)):
             if each and num_replicas * each > have.get(kind, 0):
                 self.close()
@@ -128,15 +128,14 @@ class RayDataFront:
     def _pipeline(self, records: list):
         """The dataset of `records` mapped by the actor pool of engines (not yet run)."""
         ray, size = self._ray, self.batch_size(len(records))
-        env = None if self.num_gpus else {  # one XLA thread per engine, as the replicas
-            "env_vars": {"XLA_FLAGS": _one_thread_flags(os.environ.get("XLA_FLAGS", ""))}}
+        gpus, env = actor_resources(self.config, self.num_gpus)  # as the replicas' actors
         pool = ray.data.ActorPoolStrategy(size=self.num_replicas, max_tasks_in_flight_per_actor=1)
         # batch_size=None: a block is one batch, so it comes back as soon as it is done (a
         # batch_size would bundle blocks until they hold that many rows, and hold both back)
         data = ray.data.from_items(records, override_num_blocks=math.ceil(len(records) / size))
         return data.map_batches(EngineBatcher, fn_constructor_args=(self.spec, self.config),
                                 batch_size=None, batch_format="numpy", compute=pool, num_cpus=1,
-                                num_gpus=self.num_gpus or None, runtime_env=env)
+                                num_gpus=gpus or None, runtime_env=env)
 
     @property
     def stats(self) -> EngineStats:

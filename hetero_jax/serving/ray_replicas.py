@@ -5,7 +5,9 @@ batch job's `ReplicaFront` drives). Out: what `ReplicaSet` gives: one engine's o
 numbered and seeded as one engine would, in input order.
 
 Each replica is an `EngineActor` (one whole `Engine`, `num_cpus=1` and `num_gpus` per
-replica, one XLA thread on a CPU through the actor's `runtime_env`) built from the same
+replica, by default its `tensor_parallel` GPUs on a GPU cluster; on CPUs one XLA thread and
+`tensor_parallel` host devices through the actor's `runtime_env`: `actor_resources`) built
+from the same
 `ModelSource`. The driver routes every request with `placement.Placement` (the router, the
 loads, the engine's page digests), then sends each replica its share of a `submit` as one
 actor call, `EngineActor.serve([(tag, request)])`, which prepares each request (a refused
@@ -74,6 +76,22 @@ def probe_address(address: str, timeout_s: float = PROBE_S) -> None:
                          f"{timeout_s:g} s)") from None
 
 
+def actor_resources(config: EngineConfig, gpus_each: float) -> tuple:
+    """(num_gpus, runtime_env) of one engine actor: on a GPU cluster (`gpus_each` > 0) its
+    `tensor_parallel` GPUs at least (Ray gives the actor those devices); else one CPU with one
+    XLA thread, showing jax `tensor_parallel` host devices to shard over."""
+    tp = config.tensor_parallel
+    if gpus_each:
+        return max(gpus_each, tp), None
+    flags = _one_thread_flags(os.environ.get("XLA_FLAGS", ""))
+    if tp > 1:
+        flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", flags).strip()
+        # first: XLA's parser stops at the bare `intra_op_parallelism_threads=1` of the
+        # one-thread flags, so a flag after it would be ignored
+        flags = f"--xla_force_host_platform_device_count={tp} {flags}".strip()
+    return 0, {"env_vars": {"XLA_FLAGS": flags}}
+
+
 class EngineActor:
     """One engine in a Ray worker (made a Ray actor class by `RayReplicaSet`)."""
 
@@ -113,9 +131,10 @@ class RayReplicaSet(RoutedReplicas):
 
     def __init__(self, spec: ModelSource, num_replicas: int, config: EngineConfig | None = None,
                  router: RouterConfig | str | None = None, address: str | None = None,
-                 num_gpus: float = 0):
+                 num_gpus: float | None = None):
         """`address`: a Ray cluster to join (None: start a local one, or use the one this
-        process already started); `num_gpus`: per replica."""
+        process already started); `num_gpus`: per replica (None: `config.tensor_parallel`
+        when the cluster has GPUs, else none)."""
         ray = self._ray = require_ray()
         config = config or EngineConfig()
         if isinstance(num_replicas, bool) or not isinstance(num_replicas, int) or \
@@ -123,14 +142,16 @@ class RayReplicaSet(RoutedReplicas):
             raise ValueError(f"replicas={num_replicas!r} must be an integer >= 1")
         router_policy(router, config)
         self.actors, self._owns_ray = [], join_cluster(ray, address)
-        cpus = ray.cluster_resources().get("CPU", 0)
-        if num_replicas > cpus:
-            self.close()
-            raise ValueError(f"replicas={num_replicas} needs one CPU each; the Ray cluster "
-                             f"has {cpus:g}")
-        env = {"env_vars": {"XLA_FLAGS": _one_thread_flags(os.environ.get("XLA_FLAGS", ""))}} \
-            if not num_gpus else None
-        actor = ray.remote(num_cpus=1, num_gpus=num_gpus)(EngineActor)
+        have = ray.cluster_resources()
+        if num_gpus is None:
+            num_gpus = config.tensor_parallel if have.get("GPU", 0) else 0
+        gpus, env = actor_resources(config, num_gpus)
+        for kind, each in (("CPU", 1), ("GPU", gpus)):
+            if each and num_replicas * each > have.get(kind, 0):
+                self.close()
+                raise ValueError(f"replicas={num_replicas} needs {each:g} {kind} each; the Ray "
+                                 f"cluster has {have.get(kind, 0):g}")
+        actor = ray.remote(num_cpus=1, num_gpus=gpus)(EngineActor)
         self.actors = [actor.options(runtime_env=env).remote(spec, config)
                        for _ in range(num_replicas)]
         try:
