@@ -268,6 +268,26 @@ def test_batch_tensor_parallel_with_replicas_needs_devices_for_each(tmp_path, ba
         cli.main(argv)
 
 
+def test_batch_replicas_count_gpus_without_jax(tmp_path, batch_input, monkeypatch, capsys):
+    """On a GPU host the parent counts the GPUs from CUDA_VISIBLE_DEVICES, never through jax
+    (which would take the GPUs' memory before the replica processes start)."""
+    import jax
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2")
+    monkeypatch.delenv("JAX_PLATFORMS", raising=False)
+    monkeypatch.setattr(jax, "devices", no_work)
+    argv = ["batch", batch_input, "--output", str(tmp_path / "out.jsonl"), "--replicas", "2",
+            "--tensor-parallel", "2"]
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+    assert "needs 4 devices (2 per replica); this host has 3 GPU(s) (0,1,2)" in \
+        error_line(e, capsys)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3")
+    with pytest.raises(AssertionError, match="the work started"):  # the checks pass
+        cli.main(argv)
+
+
 @pytest.mark.parametrize("ray_flag", ["--ray", "--ray-data"])
 def test_batch_tensor_parallel_on_ray_checks_the_model_not_this_hosts_devices(
         tmp_path, batch_input, monkeypatch, capsys, ray_flag):

@@ -36,6 +36,7 @@ from hetero_jax.offline.ray_data import make_front as ray_data_front
 from hetero_jax.offline.replica_front import ReplicaFront
 from hetero_jax.offline.rows import InputError, check_input, read_rows
 from hetero_jax.sched import POLICIES
+from hetero_jax.serving.device_groups import visible_gpus
 from hetero_jax.sim.options import compile_cache_dir, int_range, output_file, \
     output_problem
 
@@ -168,14 +169,18 @@ def check_tensor_parallel(parser: argparse.ArgumentParser, args) -> None:
         parser.error(f"argument --tensor-parallel: {e}")
     if args.ray is not None or args.ray_data:
         return
-    import jax
+    gpus = visible_gpus() if args.replicas > 1 else []
+    if gpus:  # counted without jax: a parent holding the GPUs would starve its replicas
+        devices, seen = len(gpus), f"this host has {len(gpus)} GPU(s) ({','.join(gpus)})"
+    else:
+        import jax
 
-    devices, kind = len(jax.devices()), jax.default_backend()
+        devices = len(jax.devices())
+        seen = f"jax sees {devices} {jax.default_backend()} device(s)"
     if args.replicas * n > devices:
         need = (f"with --replicas {args.replicas} needs {args.replicas * n} devices ({n} per "
                 "replica)" if args.replicas > 1 else f"needs {n} devices")
-        parser.error(f"argument --tensor-parallel: --tensor-parallel {n} {need}; jax sees "
-                     f"{devices} {kind} device(s)")
+        parser.error(f"argument --tensor-parallel: --tensor-parallel {n} {need}; {seen}")
 
 
 def make_front(args):
