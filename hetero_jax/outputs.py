@@ -59,3 +59,15 @@ class EngineStats:
     def cache_hit_rate(self) -> float:
         """Cached tokens over looked-up tokens (0 before any lookup)."""
         return self.cache_hit_tokens / self.cache_query_tokens if self.cache_query_tokens else 0.0
+
+
+def sum_stats(stats: list) -> EngineStats:
+    """Several engines' `EngineStats` as one: every numeric count summed (a field that is not
+    a number, such as `batching`, stays at its default)."""
+    total = EngineStats()
+    for f in dataclasses.fields(EngineStats):
+        values = [getattr(s, f.name) for s in stats]
+        if values and all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                          for v in values):
+            setattr(total, f.name, sum(values))
+    return total

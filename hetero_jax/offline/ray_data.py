@@ -25,7 +25,6 @@ jax (the actors do).
 """
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 import math
 import pickle
@@ -34,9 +33,10 @@ from collections.abc import Iterable, Iterator
 
 from hetero_jax.config import EngineConfig
 from hetero_jax.models.presets import preset_config
-from hetero_jax.outputs import EngineStats
+from hetero_jax.outputs import EngineStats, sum_stats
 from hetero_jax.serving.dedicated import EMBED_ROLE, ModelSource
 from hetero_jax.serving.ray_replicas import actor_resources, join_cluster, require_ray
+from hetero_jax.serving.replica_worker import admit
 
 
 def require_data():
@@ -61,16 +61,9 @@ class EngineBatcher:
     def __call__(self, batch: dict) -> dict:
         """{"i": [B], "request": [B] pickled} -> {"i", "result", "stats"}: every i once,
         refused at once or finished by the engine."""
-        engine, numbers, results, fresh = self.engine, {}, [], []
-        for i, blob in zip(batch["i"], batch["request"]):
-            try:
-                (req,) = engine.prepare([pickle.loads(blob)])
-            except (ValueError, TypeError) as e:
-                results.append((int(i), e))
-                continue
-            numbers[req.request_id] = int(i)
-            fresh.append(req)
-        engine.enqueue(fresh)
+        engine = self.engine
+        numbers, results = admit(engine, [(int(i), pickle.loads(blob))
+                                          for i, blob in zip(batch["i"], batch["request"])])
         while engine.has_work():  # an exception here fails the pipeline, and the job
             results += [(numbers.pop(r.request_id), engine.output(r)) for r in engine.step()]
         assert not numbers, f"{len(numbers)} requests unfinished, the engine idle"
@@ -140,13 +133,7 @@ class RayDataFront:
     @property
     def stats(self) -> EngineStats:
         """Every actor's latest `EngineStats`, its counts summed."""
-        total = EngineStats()
-        for f in dataclasses.fields(EngineStats):
-            values = [getattr(s, f.name) for s in self._stats.values()]
-            if values and all(isinstance(v, (int, float)) and not isinstance(v, bool)
-                              for v in values):
-                setattr(total, f.name, sum(values))
-        return total
+        return sum_stats(list(self._stats.values()))
 
     def close(self) -> None:
         """Shut down the local Ray cluster this front started (the pool's actors end with

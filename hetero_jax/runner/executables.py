@@ -67,7 +67,6 @@ class ExecutableCache:
         self._build = build  # key -> compiled executable
         self._held: collections.OrderedDict = collections.OrderedDict()
         self.max_maps = default_max_maps() if max_maps is None else max_maps
-        self.built: set = set()  # every key built in this process
         self.builds = 0  # compiled, or loaded from the persistent cache
         self.loads = 0  # builds served by the persistent cache
         self.dropped = 0  # executables released under the mapping bound
@@ -88,7 +87,6 @@ class ExecutableCache:
         self.seconds += time.perf_counter() - start
         self.builds += 1
         self.loads += getattr(_hits, "n", 0) > hits
-        self.built.add(key)
         self._held[key] = executable
         self._release()
         return executable

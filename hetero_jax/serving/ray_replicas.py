@@ -31,7 +31,7 @@ from hetero_jax.models.presets import preset_config
 from hetero_jax.sched.router import RouterConfig
 from hetero_jax.serving.dedicated import EMBED_ROLE, ModelSource, _one_thread_flags
 from hetero_jax.serving.placement import router_policy
-from hetero_jax.serving.replica_worker import engine_info
+from hetero_jax.serving.replica_worker import admit, engine_info
 from hetero_jax.serving.routed import RoutedReplicas
 
 PROBE_S = 5.0  # how long an address may take to accept a TCP connection
@@ -104,16 +104,9 @@ class EngineActor:
     def serve(self, items: list) -> tuple:
         """[(tag, request)] -> ([(tag, output or None, error or None)], stats), every tag
         once: refused at once, the rest when the engine finished them."""
-        engine, tags, results, fresh = self.engine, {}, [], []
-        for tag, request in items:
-            try:
-                (req,) = engine.prepare([request])
-            except (ValueError, TypeError) as e:
-                results.append((tag, None, (type(e).__name__, str(e))))
-                continue
-            tags[req.request_id] = tag
-            fresh.append(req)
-        engine.enqueue(fresh)
+        engine = self.engine
+        tags, refused = admit(engine, items)
+        results = [(tag, None, (type(e).__name__, str(e))) for tag, e in refused]
         try:
             while engine.has_work():
                 results += [(tags.pop(r.request_id), engine.output(r), None)

@@ -71,19 +71,28 @@ def worker(index: int, core: int, spec: ModelSource, config: EngineConfig, conn)
             conn.send(("done", (results, engine.stats)))
 
 
+def admit(engine, items) -> tuple:
+    """[(tag, request)] -> ({request id: tag} of those enqueued, [(tag, error)] of those the
+    engine's checks refused (a ValueError or TypeError, raised by `prepare`))."""
+    tags, refused, fresh = {}, [], []
+    for tag, request in items:
+        try:
+            (req,) = engine.prepare([request])
+        except (ValueError, TypeError) as e:
+            refused.append((tag, e))
+            continue
+        tags[req.request_id] = tag
+        fresh.append(req)
+    engine.enqueue(fresh)
+    return tags, refused
+
+
 def _handle(engine, tags: dict, cmd: str, arg):
     """One command between steps -> the reply to send, or None."""
     if cmd == "add":
-        refused, fresh = [], []
-        for tag, request in arg:
-            try:
-                (req,) = engine.prepare([request])
-            except (ValueError, TypeError) as e:
-                refused.append((tag, None, (type(e).__name__, str(e))))
-                continue
-            tags[req.request_id] = tag
-            fresh.append(req)
-        engine.enqueue(fresh)
+        added, refused = admit(engine, arg)
+        tags.update(added)
+        refused = [(tag, None, (type(e).__name__, str(e))) for tag, e in refused]
         return ("done", (refused, engine.stats)) if refused else None
     if cmd == "abort":
         drop = set(arg)

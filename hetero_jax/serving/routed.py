@@ -17,7 +17,7 @@ import itertools
 import threading
 import time
 
-from hetero_jax.outputs import EngineStats
+from hetero_jax.outputs import EngineStats, sum_stats
 from hetero_jax.serving.batch_api import BatchAPI
 from hetero_jax.serving.dedicated import DedicatedEngine
 from hetero_jax.serving.input_processor import check_request_type
@@ -69,12 +69,7 @@ class RoutedReplicas(BatchAPI):
     @property
     def stats(self) -> EngineStats:
         """Every replica's `EngineStats`, its counts summed (per replica: `replica_stats`)."""
-        total = EngineStats()
-        for f in dataclasses.fields(EngineStats):
-            values = [getattr(s, f.name) for s in self.replica_stats]
-            if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
-                setattr(total, f.name, sum(values))
-        return total
+        return sum_stats(self.replica_stats)
 
     def run(self, requests: list, use_tqdm: bool = True) -> list:
         """Serve the requests on the replicas; outputs in input order. A request the checks
