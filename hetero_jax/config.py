@@ -61,7 +61,7 @@ class EngineConfig:
     tensor_parallel: int = 1
     token_buckets: tuple | None = None  # None: powers of two from 16 up to token_budget
     seq_buckets: tuple | None = None  # None: powers of two from 8 up to max_num_seqs
-    # The default bucket lists keep the variants few (78 for the defaults: each costs ~2 s of
+    # The default bucket lists keep the variants few (106 for the defaults: each costs ~2 s of
     # compile on a CPU): pages in powers of four from 8 (128 tokens) up, and chunk slots 0
     # (a decode-only step) or all of them (one chunk pads to max_chunk_seqs, which costs a
     # fresh chunk's few keys, where a third Sc bucket would add a third of the variants).
@@ -164,12 +164,16 @@ class EngineConfig:
         return s // rows, rows
 
     def variants(self) -> list:
-        """Every reachable (T, S, Sc, pages_per_seq, shared_pages), and no other: a step holds
+        """Every reachable (T, S, Sc, pages_per_seq, second_pages), and no other: a step holds
         d decode tokens and c chunks (0 <= c <= max_chunk_seqs, d + c <= max_num_seqs) of
-        1..chunk_size tokens each, at most token_budget in all; shared_pages > 0 (cascade
-        attention) only in decode-only steps (Sc = 0) of at least two sequences, whose
-        pages_per_seq counts the pages after the shared ones."""
-        steps = set()  # (T, S, Sc)
+        1..chunk_size tokens each, at most token_budget in all. `second_pages` is the chunk
+        group's (the first Sc sequences') page bucket in a step with chunks: the smallest page
+        bucket when all of them fit it (below pages_per_seq only with decodes past them), else
+        pages_per_seq; two choices, not every bucket below (+28 variants for the defaults,
+        where every bucket would add 42). In a decode-only step (Sc = 0) it is the cascade
+        tiles' shared pages (0: plain attention; > 0 only for at least two sequences, whose
+        pages_per_seq then counts the pages after the shared ones)."""
+        steps = set()  # (T, S, Sc, whether decodes may run past the chunk group)
         for c in range(min(self.max_chunk_seqs, self.max_num_seqs) + 1):
             sc = pad_to_bucket(c, self.chunk_seq_buckets)
             for d in range(0 if c else 1, self.max_num_seqs - c + 1):
@@ -177,10 +181,14 @@ class EngineConfig:
                 if lo > hi:
                     continue
                 s = pad_to_bucket(d + c, self.seq_buckets)
-                steps.update((t, s, min(sc, s)) for t in self.token_buckets
+                # the chunk group is the first Sc sequences: beside it, decodes past them
+                steps.update((t, s, min(sc, s), c > 0 and c + d > min(sc, s))
+                             for t in self.token_buckets
                              if pad_to_bucket(lo, self.token_buckets) <= t
                              <= pad_to_bucket(hi, self.token_buckets))
-        out = {(t, s, sc, p, 0) for t, s, sc in steps for p in self.page_buckets}
+        low = self.page_buckets[0]
+        out = {(t, s, sc, p, 0 if sc == 0 else pc) for t, s, sc, beside in steps
+               for p in self.page_buckets for pc in {p, low if beside else p}}
         if self.cascade_rows:
             decode_only = {(pad_to_bucket(n, self.token_buckets), pad_to_bucket(n, self.seq_buckets))
                            for n in range(2, min(self.max_num_seqs, self.token_budget) + 1)}

@@ -47,3 +47,22 @@ def test_padding_pages_do_not_leak():
     b["k_pages"][0] = 1e4
     b["v_pages"][0] = -1e4
     np.testing.assert_array_equal(np.asarray(ragged_paged_attention(**b)), base)
+
+
+@pytest.mark.parametrize("q_lens,ctx", [([16, 7, 1, 1], [0, 3, 90, 200]),
+                                        ([33, 1, 1], [0, 150, 17]),
+                                        ([5, 2, 1], [11, 0, 60])])
+def test_chunk_group_at_its_own_pages(q_lens, ctx):
+    """`chunk_pages` (the chunk group's own page bucket) reads only the first columns of the
+    page table for the chunk sequences: the same result as reading every column, beside
+    decodes whose contexts need many more pages."""
+    rng = np.random.default_rng(sum(ctx))
+    b = random_batch(rng, q_lens, ctx, 8, 2, 32, page_size=16)
+    multi = sum(q > 1 for q in q_lens)
+    own = max(-(-(c + q) // 16) for q, c in zip(q_lens[:multi], ctx[:multi]))
+    assert own < b["page_indices"].shape[1], "the decodes' pages must reach past the chunks'"
+    hints = dict(max_q_len=max(q_lens), num_multi_query_seqs=multi)
+    got = np.asarray(ragged_paged_attention(**b, **hints, chunk_pages=own))
+    np.testing.assert_allclose(got, ragged_paged_attention_reference(**b), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got, np.asarray(ragged_paged_attention(**b, **hints)),
+                               rtol=1e-6, atol=1e-6)

@@ -47,6 +47,35 @@ def test_chunked_equals_single_pass_beside_decodes(single_pass, chunk):
         assert all(len(o.token_ids) == 40 for o in outs[:3])
 
 
+def test_chunks_beside_long_decodes_attend_over_their_own_pages(monkeypatch):
+    """Fresh chunks beside decodes past the smallest page bucket run at that bucket (the
+    variant's second_pages < pages_per_seq): embeddings equal the single pass, generations
+    equal the same requests alone."""
+    from hetero_jax.runner import decoder
+
+    keys, pack = [], decoder.pack_batch
+    monkeypatch.setattr(decoder, "pack_batch",
+                        lambda items, cfg: keys.append(pack(items, cfg)[0]) or pack(items, cfg))
+    engine = Engine.from_preset("tiny", config=config(32))
+    gen = [GenerateRequest([256] + list(range(7, 90)), SamplingParams(max_tokens=40,
+                                                                      temperature=0))] * 4
+    alone = [o.token_ids for o in engine.run(gen, use_tqdm=False)]
+    # four fresh inputs fill the chunk group (Sc = 4) and each fits the smallest page bucket
+    short = [x[:k] for x, k in zip(inputs(seed=1), (3, 41, 1, 20))]
+    pooling = PoolingParams("mean", normalize=False)
+    want = engine.embed(short, pooling, use_tqdm=False)
+    gens = engine.add(gen)
+    while any(not r.output_token_ids for r in gens):  # until all four decode, 84+ tokens each
+        engine.step()
+    embeds = engine.add([EmbedRequest(x, pooling) for x in short])
+    while engine.has_work():
+        engine.step()
+    assert any(sc and second < pages for _, _, sc, pages, second in keys)
+    got = np.stack([engine.output(r).embedding for r in embeds])
+    assert cos(got, want).min() > 0.9999
+    assert [engine.output(r).token_ids for r in gens] == alone
+
+
 def test_normalize_and_order():
     engine = Engine.from_preset("tiny", config=config(16))
     raw = engine.embed(inputs(), PoolingParams("mean", normalize=False), use_tqdm=False)

@@ -22,7 +22,8 @@ def _item(kind, num_tokens, pages):
 
 def test_variants_are_exactly_the_reachable_steps():
     """Every split of a step into d decodes and c chunks of 1..chunk_size tokens under the
-    budget lands in variants(), and every plain variant is the key of such a step."""
+    budget, chunks and decodes each at any page count, lands in variants(), and every plain
+    variant is the key of such a step."""
     cfg = EngineConfig(token_budget=48, chunk_size=16, max_num_seqs=12, max_chunk_seqs=3,
                        page_size=16, max_model_len=512, cascade_rows=0,
                        token_buckets=(8, 16, 32, 48), seq_buckets=(4, 8, 12),
@@ -33,18 +34,21 @@ def test_variants_are_exactly_the_reachable_steps():
             for lengths in itertools.combinations_with_replacement(range(1, 17), c):
                 if d + sum(lengths) > cfg.token_budget:
                     continue
-                for pages in cfg.page_buckets:
-                    items = ([_item(PREFILL, n, pages) for n in lengths]
-                             + [_item(DECODE, 1, pages) for _ in range(d)])
+                for chunk_pages, decode_pages in itertools.product(cfg.page_buckets, repeat=2):
+                    items = ([_item(PREFILL, n, chunk_pages) for n in lengths]
+                             + [_item(DECODE, 1, decode_pages) for _ in range(d)])
                     seen.add(variant_of(items, cfg)[0])
     assert seen == set(cfg.variants())
 
 
 def test_default_variants_stay_few():
-    """The defaults compile 78 variants (51 plain, 27 cascade), not the 216 of the full
-    product of the old bucket lists, whose warm-up crashed near vm.max_map_count."""
+    """The defaults compile 106 variants (51 plain, 28 with the chunk group at the smallest
+    page bucket beside longer decodes, 27 cascade), not the 216 of the full product of the
+    old bucket lists, whose warm-up crashed near vm.max_map_count."""
     variants = EngineConfig().resolve(2048, 6144).variants()
-    assert (len(variants), sum(v[4] > 0 for v in variants)) == (78, 27)
+    own_chunk_pages = sum(v[2] > 0 and v[4] < v[3] for v in variants)
+    cascade = sum(v[2] == 0 and v[4] > 0 for v in variants)
+    assert (len(variants), own_chunk_pages, cascade) == (106, 28, 27)
 
 
 def test_cache_drops_least_recently_used_under_the_mapping_bound():
@@ -108,7 +112,7 @@ def test_second_process_of_a_configuration_compiles_nothing(tmp_path):
     assert warm["tokens"] == cold["tokens"]
 
 
-@pytest.mark.slow  # ~3 min on 2 cores (78 variants of ~2 s each), in a fresh cache
+@pytest.mark.slow  # ~4 min on 2 cores (106 variants of ~2 s each), in a fresh cache
 def test_small_preset_default_warmup_finishes_in_bounded_mappings(tmp_path):
     """The warm-up that crashed near vm.max_map_count: every default variant of the small
     preset builds, and the process stays under the limit (the cache drops what it must)."""
@@ -127,4 +131,4 @@ print(json.dumps(dict(built=built, variants=len(engine.config.variants()), maps=
                          timeout=1800)
     assert run.returncode == 0, run.stderr[-3000:]
     r = json.loads(run.stdout.strip().splitlines()[-1])
-    assert r["built"] == r["variants"] == 78 and r["maps"] < r["limit"]
+    assert r["built"] == r["variants"] == 106 and r["maps"] < r["limit"]

@@ -41,12 +41,12 @@ def test_step_lies_embeddings_then_prefills_then_decodes_on_the_token_axis():
     out = sched.schedule()
     assert [(it.request_id, it.kind) for it in out.items] == [(1, EMBED), (2, PREFILL),
                                                              (0, DECODE)]
-    (t, s, sc, _, shared), batch = pack_batch(out.items, cfg)
-    assert (t, s, sc, shared) == (32, 8, 4, 0)
+    key, batch = pack_batch(out.items, cfg)
+    assert key == (32, 8, 4, 8, 8), "(T, S, Sc, pages, the chunk group's pages)"
     assert batch.tokens[:27].tolist() == list(range(100, 116)) + list(range(30, 40)) + [9]
     assert batch.positions[:27].tolist() == list(range(16)) + list(range(10)) + [4]
     slot, dummy = embed.pool_slot, cfg.max_num_seqs
-    assert batch.pool.token_slot.tolist() == [slot] * 16 + [dummy] * (t - 16)
+    assert batch.pool.token_slot.tolist() == [slot] * 16 + [dummy] * (key[0] - 16)
     assert batch.pool.item_slot.tolist() == [slot] + [dummy] * 3
     assert (batch.pool.kind[0], batch.pool.normalize[0], batch.pool.item_last_row[0]) == (
         2, True, 15)

@@ -9,8 +9,10 @@ The XLA version splits the sequences into two groups so that padding stays low:
 - the first `num_multi_query_seqs` sequences, each with up to `max_q_len` queries (chunks);
 - the last (only) query of each later sequence (decode tokens).
 A token of sequence `s >= num_multi_query_seqs` must therefore be that sequence's only token;
-the runner sorts chunks before decode tokens, so this holds by construction. Left at their
-defaults (`None`) the hints make the first group cover everything, which is always correct.
+the runner sorts chunks before decode tokens, so this holds by construction. A third hint,
+`chunk_pages`, bounds the first group's pages, so fresh chunks beside long decodes attend over
+their own few keys. Left at their defaults (`None`) the hints make the first group cover
+everything, which is always correct.
 With a `cascade` plan (`cascade.CascadeMeta`, indices relative to the decode group) the decode
 group reads the pages its sequences share once per tile (`cascade.attend_decode_cascade`);
 the result is the same.
@@ -73,7 +75,8 @@ def _attend_last(q, k, v, kv_lens, sm_scale):
 
 
 def _ragged_paged_attention_xla(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens,
-                                num_seqs, sm_scale, max_q_len, num_multi_query_seqs, cascade):
+                                num_seqs, sm_scale, max_q_len, num_multi_query_seqs, chunk_pages,
+                                cascade):
     t = q.shape[0]
     s = kv_lens.shape[0]
     seq_valid = jnp.arange(s) < num_seqs
@@ -89,8 +92,9 @@ def _ragged_paged_attention_xla(q, k_pages, v_pages, kv_lens, page_indices, cu_q
         offs = jnp.arange(max_q_len)
         idx = jnp.clip(cu_q_lens[:sa, None] + offs[None, :], 0, t - 1)  # [Sa, Q]
         q_pos = kv_lens[:sa, None] - q_lens[:sa, None] + offs[None, :]
-        out_a = _attend(q[idx], _gather_kv(k_pages, page_indices[:sa]),
-                        _gather_kv(v_pages, page_indices[:sa]), q_pos, kv_lens[:sa], sm_scale)
+        pages_a = page_indices[:sa, :chunk_pages]
+        out_a = _attend(q[idx], _gather_kv(k_pages, pages_a), _gather_kv(v_pages, pages_a),
+                        q_pos, kv_lens[:sa], sm_scale)
         in_a = seq_of_tok < sa
         local = jnp.clip(tok - cu_q_lens[seq_of_tok], 0, max_q_len - 1)
         out = jnp.where(in_a[:, None, None], out_a[jnp.clip(seq_of_tok, 0, sa - 1), local], out)
@@ -107,10 +111,10 @@ def _ragged_paged_attention_xla(q, k_pages, v_pages, kv_lens, page_indices, cu_q
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "impl", "max_q_len",
-                                             "num_multi_query_seqs", "interpret"))
+                                             "num_multi_query_seqs", "chunk_pages", "interpret"))
 def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *,
                            sm_scale=None, impl="xla", max_q_len=None,
-                           num_multi_query_seqs=None, interpret=False,
+                           num_multi_query_seqs=None, chunk_pages=None, interpret=False,
                            cascade: CascadeMeta | None = None):
     """Attention of ragged new tokens over paged KV; see the module docstring.
 
@@ -129,7 +133,7 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens
     if impl == "xla":
         return _ragged_paged_attention_xla(q, k_pages, v_pages, kv_lens, page_indices,
                                            cu_q_lens, num_seqs, sm_scale, max_q_len,
-                                           num_multi_query_seqs, cascade)
+                                           num_multi_query_seqs, chunk_pages, cascade)
     if impl == "pallas":
         return ragged_paged_attention_pallas(q, k_pages, v_pages, kv_lens, page_indices,
                                              cu_q_lens, num_seqs, sm_scale=sm_scale,

@@ -2,11 +2,14 @@
 
 In: the decoder's `ScheduledItem`s of one step (plain data, sorted embedding chunks, prefill
 chunks, decode tokens) and the `EngineConfig` bucket lists. Out: the variant key
-`(T, S, Sc, pages_per_seq, shared_pages)` and numpy arrays of exactly those shapes. Padding
+`(T, S, Sc, pages_per_seq, second_pages)` and numpy arrays of exactly those shapes. Padding
 tokens write their K/V to the scratch page 0 and pool into the dummy slot; padding sequences
-have kv_len 0. A decode-only step whose sequences share enough pages (prefix-cache hits) gets a
-cascade plan (`ops.cascade`): shared_pages > 0 is its tiles' page bucket and pages_per_seq
-then counts each sequence's pages after the shared ones. `batch_spec` gives the same
+have kv_len 0. In a step with chunks, second_pages is the chunk group's own page bucket (the
+smallest bucket when every one of the first Sc sequences fits it), so fresh chunks beside long decodes attend
+over their own few keys (the first second_pages columns of `page_indices`). A decode-only step
+whose sequences share enough pages (prefix-cache hits) gets a cascade plan (`ops.cascade`):
+second_pages > 0 is then its tiles' shared page bucket and pages_per_seq counts each
+sequence's pages after the shared ones. `batch_spec` gives the same
 structure as shapes, for ahead-of-time lowering.
 """
 from __future__ import annotations
@@ -37,7 +40,7 @@ class StepBatch:
     adapter_ids: jax.Array  # [T] int32: each token's LoRA adapter, 0 = base model
 
 
-def batch_spec(cfg: EngineConfig, t: int, s: int, sc: int, p: int, shared: int) -> StepBatch:
+def batch_spec(cfg: EngineConfig, t: int, s: int, sc: int, p: int, second: int) -> StepBatch:
     """Shape/dtype structs of a StepBatch variant, for ahead-of-time lowering."""
     i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
     f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
@@ -46,8 +49,8 @@ def batch_spec(cfg: EngineConfig, t: int, s: int, sc: int, p: int, shared: int) 
         tokens=i32(t), positions=i32(t), slots=i32(t),
         meta=llama.AttnMeta(kv_lens=i32(s), page_indices=i32(s, p), cu_q_lens=i32(s + 1),
                             num_seqs=i32(),
-                            cascade=cascade_spec(*cfg.cascade_tiles(s), shared, s, p) if shared
-                            else None),
+                            cascade=cascade_spec(*cfg.cascade_tiles(s), second, s, p)
+                            if second and not sc else None),
         sample_rows=i32(s),
         knobs=SamplingKnobs(temperature=f32(s), top_k=i32(s), top_p=f32(s),
                             seed=jax.ShapeDtypeStruct((s,), jnp.uint32), step=i32(s)),
@@ -66,7 +69,7 @@ def _cascade_plan(items: list, cfg: EngineConfig, s: int) -> tuple | None:
 
 
 def variant_of(items: list, cfg: EngineConfig) -> tuple:
-    """The bucket variant (T, S, Sc, pages_per_seq, shared_pages) that holds `items`, and the
+    """The bucket variant (T, S, Sc, pages_per_seq, second_pages) that holds `items`, and the
     cascade plan (None for plain attention)."""
     s = pad_to_bucket(len(items), cfg.seq_buckets)
     t = pad_to_bucket(sum(it.num_tokens for it in items), cfg.token_buckets)
@@ -78,7 +81,9 @@ def variant_of(items: list, cfg: EngineConfig) -> tuple:
         return (t, s, 0, pad_to_bucket(rest, cfg.page_buckets),
                 pad_to_bucket(shared, cfg.page_buckets)), plan
     sc = min(pad_to_bucket(sum(it.kind != DECODE for it in items), cfg.chunk_seq_buckets), s)
-    return (t, s, sc, pad_to_bucket(max(pages), cfg.page_buckets), 0), None
+    p, low = pad_to_bucket(max(pages), cfg.page_buckets), cfg.page_buckets[0]
+    # the chunk group is the first Sc sequences: the chunks and any decodes padding it out
+    return (t, s, sc, p, (low if max(pages[:sc]) <= low else p) if sc else 0), None
 
 
 def _pack_sampling(items: list, s: int) -> SamplingKnobs:
@@ -112,9 +117,9 @@ def _pack_pooling(items: list, rows: list, t: int, sc: int, dummy: int,
 
 
 def pack_batch(items: list, cfg: EngineConfig) -> tuple[tuple, StepBatch]:
-    """Host arrays for one step and its variant key (T, S, Sc, pages_per_seq, shared_pages)."""
+    """Host arrays for one step and its variant key (T, S, Sc, pages_per_seq, second_pages)."""
     key, plan = variant_of(items, cfg)
-    t, s, sc, p, shared = key
+    t, s, sc, p, second = key
     ps, n_tok = cfg.page_size, sum(it.num_tokens for it in items)
     tokens, positions, slots, adapter_ids = (np.zeros(t, np.int32) for _ in range(4))
     kv_lens, sample_rows = np.zeros(s, np.int32), np.zeros(s, np.int32)
@@ -138,7 +143,7 @@ def pack_batch(items: list, cfg: EngineConfig) -> tuple[tuple, StepBatch]:
         meta=llama.AttnMeta(kv_lens=kv_lens, page_indices=page_indices, cu_q_lens=cu,
                             num_seqs=np.int32(len(items)), cascade=None if plan is None else
                             cascade_arrays([it.pages for it in items], list(kv_lens[:len(items)]),
-                                           ps, plan, *cfg.cascade_tiles(s), shared, p, s)),
+                                           ps, plan, *cfg.cascade_tiles(s), second, p, s)),
         sample_rows=sample_rows, knobs=_pack_sampling(items, s),
         pool=_pack_pooling(items, rows, t, sc, cfg.max_num_seqs, ps), adapter_ids=adapter_ids)
     return key, batch

@@ -7,7 +7,7 @@ one pooled vector per embedding request whose last chunk ran. The step is
 so XLA updates it in place; `packed` (layout: `packed.PackedLayout`) is the only device->host
 copy. Token layout of a step (sorted by kind): embedding chunks, prefill chunks, decode
 tokens, padding (`batch.pack_batch`). Executables are compiled ahead of time per bucket
-variant `(T, S, Sc, pages_per_seq, shared_pages)` and kept in an `ExecutableCache` (bounded
+variant `(T, S, Sc, pages_per_seq, second_pages)` (`batch.py`) and kept in an `ExecutableCache` (bounded
 by the process's memory mappings), so `compiles` is exact and `warmup(keys)` can build every
 variant; with the persistent compilation cache on (`EngineConfig.compile_cache`), a
 `WarmManifest` lets a second process of the same configuration skip the variants already on
@@ -48,8 +48,8 @@ class DeviceState:
 
 
 def step(params, state: DeviceState, batch: StepBatch, *, model_cfg: ModelConfig,
-         layout: PackedLayout, max_q_len: int, impl: str, interpret: bool, page_size: int,
-         head=None, wrap_attention=None):
+         layout: PackedLayout, max_q_len: int, chunk_pages: int | None, impl: str,
+         interpret: bool, page_size: int, head=None, wrap_attention=None):
     """One mixed forward pass -> (state, packed f32 [layout.size]).
 
     The LM head runs only on the S sampled rows; the pooler only when the step has chunk rows.
@@ -57,7 +57,8 @@ def step(params, state: DeviceState, batch: StepBatch, *, model_cfg: ModelConfig
     runner's `shard_map` of the Pallas kernel).
     """
     attn_fn = functools.partial(ragged_paged_attention, impl=impl, max_q_len=max_q_len,
-                                num_multi_query_seqs=layout.num_chunk_seqs, interpret=interpret)
+                                num_multi_query_seqs=layout.num_chunk_seqs,
+                                chunk_pages=chunk_pages, interpret=interpret)
     attn_fn = attn_fn if wrap_attention is None else wrap_attention(attn_fn)
     model = llama.LlamaModel(model_cfg, attn_fn, unrolled=is_unrolled(params))
     hidden, kv = model.apply({"params": params}, batch.tokens, batch.positions, batch.slots,
@@ -153,12 +154,17 @@ class DecoderRunner:
         _, s, sc, _, _ = key
         return PackedLayout(s, self.cfg.max_logprobs, sc, self.model_cfg.hidden_size)
 
-    def _compile(self, key: tuple):
-        t = key[0]
-        fn = jax.jit(functools.partial(
+    def step_fn(self, key: tuple, **kw):
+        """`step` with the static arguments of variant `key` bound (`kw`: more of them)."""
+        t, _, sc, _, second = key
+        return functools.partial(
             step, model_cfg=self.model_cfg, layout=self.layout(key),
-            max_q_len=min(self.cfg.chunk_size, t), impl=self.impl, interpret=self.interpret,
-            page_size=self.cfg.page_size, head=self.cfg.buffered_head), donate_argnums=(1,))
+            max_q_len=min(self.cfg.chunk_size, t), chunk_pages=second if sc else None,
+            impl=self.impl, interpret=self.interpret, page_size=self.cfg.page_size,
+            head=self.cfg.buffered_head, **kw)
+
+    def _compile(self, key: tuple):
+        fn = jax.jit(self.step_fn(key), donate_argnums=(1,))
         return fn.lower(self.params, self.state, batch_spec(self.cfg, *key)).compile()
 
     def execute(self, items: list) -> RunnerOutput:
@@ -166,7 +172,7 @@ class DecoderRunner:
         t0 = time.perf_counter()
         key, batch = pack_batch(items, self.cfg)
         self.state, packed = self.executable(key)(self.params, self.state, batch)
-        self.cascade_steps += key[4] > 0
+        self.cascade_steps += key[2] == 0 and key[4] > 0
         layout = self.layout(key)
         rows, vectors = layout.unpack(np.asarray(packed))
         result = RunnerOutput()

@@ -47,7 +47,7 @@ from hetero_jax.config import EngineConfig
 from hetero_jax.models import llama
 from hetero_jax.models.config import ModelConfig
 from hetero_jax.runner.batch import batch_spec
-from hetero_jax.runner.decoder import DecoderRunner, DeviceState, step
+from hetero_jax.runner.decoder import DecoderRunner, DeviceState
 
 # The Pallas kernel's outputs carry no varying-axes type, so shard_map's check must be off.
 try:  # jax >= 0.7 (the experimental module is deprecated, and gone in later releases)
@@ -236,12 +236,8 @@ class ShardedDecoderRunner(DecoderRunner):
 
     def _compile(self, key: tuple):
         replicated = NamedSharding(self.mesh, P())
-        fn = jax.jit(functools.partial(
-            step, model_cfg=self.model_cfg, layout=self.layout(key),
-            max_q_len=min(self.cfg.chunk_size, key[0]), impl=self.impl,
-            interpret=self.interpret, page_size=self.cfg.page_size,
-            head=self.cfg.buffered_head,
-            wrap_attention=functools.partial(shard_attention, mesh=self.mesh)
+        fn = jax.jit(self.step_fn(
+            key, wrap_attention=functools.partial(shard_attention, mesh=self.mesh)
             if self.impl == "pallas" else None),
             in_shardings=(self.param_sharding, self.state_sharding, replicated),
             out_shardings=(self.state_sharding, replicated), donate_argnums=(1,))
