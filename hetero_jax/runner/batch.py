@@ -5,12 +5,12 @@ chunks, decode tokens) and the `EngineConfig` bucket lists. Out: the variant key
 `(T, S, Sc, pages_per_seq, second_pages)` and numpy arrays of exactly those shapes. Padding
 tokens write their K/V to the scratch page 0 and pool into the dummy slot; padding sequences
 have kv_len 0. In a step with chunks, second_pages is the chunk group's own page bucket (the
-smallest bucket when every one of the first Sc sequences fits it), so fresh chunks beside long decodes attend
-over their own few keys (the first second_pages columns of `page_indices`). A decode-only step
-whose sequences share enough pages (prefix-cache hits) gets a cascade plan (`ops.cascade`):
-second_pages > 0 is then its tiles' shared page bucket and pages_per_seq counts each
-sequence's pages after the shared ones. `batch_spec` gives the same
-structure as shapes, for ahead-of-time lowering.
+smallest bucket when every one of the first Sc sequences fits it), so fresh chunks beside long
+decodes attend over their own few keys (the first second_pages columns of `page_indices`). A
+decode-only step whose sequences share enough pages (prefix-cache hits) gets a cascade plan
+(`ops.cascade`): second_pages > 0 is then its tiles' shared page bucket and pages_per_seq
+counts each sequence's pages after the shared ones. `batch_spec` gives the same structure as
+shapes, for ahead-of-time lowering.
 """
 from __future__ import annotations
 

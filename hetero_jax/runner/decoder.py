@@ -7,12 +7,12 @@ one pooled vector per embedding request whose last chunk ran. The step is
 so XLA updates it in place; `packed` (layout: `packed.PackedLayout`) is the only device->host
 copy. Token layout of a step (sorted by kind): embedding chunks, prefill chunks, decode
 tokens, padding (`batch.pack_batch`). Executables are compiled ahead of time per bucket
-variant `(T, S, Sc, pages_per_seq, second_pages)` (`batch.py`) and kept in an `ExecutableCache` (bounded
-by the process's memory mappings), so `compiles` is exact and `warmup(keys)` can build every
-variant; with the persistent compilation cache on (`EngineConfig.compile_cache`), a
-`WarmManifest` lets a second process of the same configuration skip the variants already on
-disk. The runner allocates nothing: pages and pooler slots come from the scheduler inside the
-items.
+variant `(T, S, Sc, pages_per_seq, second_pages)` (`batch.py`) and kept in an
+`ExecutableCache` (bounded by the process's memory mappings), so `compiles` is exact and
+`warmup(keys)` can build every variant; with the persistent compilation cache on
+(`EngineConfig.compile_cache`), a `WarmManifest` lets a second process of the same
+configuration skip the variants already on disk. The runner allocates nothing: pages and
+pooler slots come from the scheduler inside the items.
 """
 from __future__ import annotations
 
