@@ -54,8 +54,13 @@ def test_chunks_beside_long_decodes_attend_over_their_own_pages(monkeypatch):
     from hetero_jax.runner import decoder
 
     keys, pack = [], decoder.pack_batch
-    monkeypatch.setattr(decoder, "pack_batch",
-                        lambda items, cfg: keys.append(pack(items, cfg)[0]) or pack(items, cfg))
+
+    def recording(items, cfg):
+        key, batch = pack(items, cfg)
+        keys.append(key)
+        return key, batch
+
+    monkeypatch.setattr(decoder, "pack_batch", recording)
     engine = Engine.from_preset("tiny", config=config(32))
     gen = [GenerateRequest([256] + list(range(7, 90)), SamplingParams(max_tokens=40,
                                                                       temperature=0))] * 4

@@ -10,7 +10,7 @@ import warnings
 import pytest
 
 from hetero_jax import EngineConfig
-from hetero_jax.runner.batch import variant_of
+from hetero_jax.runner.batch import is_cascade, variant_of
 from hetero_jax.runner.executables import ExecutableCache, enable_compile_cache
 from hetero_jax.sched import DECODE, PREFILL, ScheduledItem
 
@@ -47,7 +47,7 @@ def test_default_variants_stay_few():
     old bucket lists, whose warm-up crashed near vm.max_map_count."""
     variants = EngineConfig().resolve(2048, 6144).variants()
     own_chunk_pages = sum(v[2] > 0 and v[4] < v[3] for v in variants)
-    cascade = sum(v[2] == 0 and v[4] > 0 for v in variants)
+    cascade = sum(map(is_cascade, variants))
     assert (len(variants), own_chunk_pages, cascade) == (106, 28, 27)
 
 

@@ -40,6 +40,12 @@ class StepBatch:
     adapter_ids: jax.Array  # [T] int32: each token's LoRA adapter, 0 = base model
 
 
+def is_cascade(key: tuple) -> bool:
+    """Whether variant `key` is a cascade step: decode-only (Sc = 0) with shared pages."""
+    _, _, sc, _, second = key
+    return sc == 0 and second > 0
+
+
 def batch_spec(cfg: EngineConfig, t: int, s: int, sc: int, p: int, second: int) -> StepBatch:
     """Shape/dtype structs of a StepBatch variant, for ahead-of-time lowering."""
     i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
@@ -50,7 +56,7 @@ def batch_spec(cfg: EngineConfig, t: int, s: int, sc: int, p: int, second: int) 
         meta=llama.AttnMeta(kv_lens=i32(s), page_indices=i32(s, p), cu_q_lens=i32(s + 1),
                             num_seqs=i32(),
                             cascade=cascade_spec(*cfg.cascade_tiles(s), second, s, p)
-                            if second and not sc else None),
+                            if is_cascade((t, s, sc, p, second)) else None),
         sample_rows=i32(s),
         knobs=SamplingKnobs(temperature=f32(s), top_k=i32(s), top_p=f32(s),
                             seed=jax.ShapeDtypeStruct((s,), jnp.uint32), step=i32(s)),

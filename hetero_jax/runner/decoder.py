@@ -31,7 +31,7 @@ from hetero_jax.models.config import ModelConfig
 from hetero_jax.models.layers import for_layer_loop, is_unrolled
 from hetero_jax.ops import ragged_paged_attention
 from hetero_jax.runner import pooler
-from hetero_jax.runner.batch import StepBatch, batch_spec, pack_batch
+from hetero_jax.runner.batch import StepBatch, batch_spec, is_cascade, pack_batch
 from hetero_jax.runner.executables import ExecutableCache, WarmManifest, enable_compile_cache
 from hetero_jax.runner.packed import PackedLayout
 from hetero_jax.runner.sampler import sample
@@ -172,7 +172,7 @@ class DecoderRunner:
         t0 = time.perf_counter()
         key, batch = pack_batch(items, self.cfg)
         self.state, packed = self.executable(key)(self.params, self.state, batch)
-        self.cascade_steps += key[2] == 0 and key[4] > 0
+        self.cascade_steps += is_cascade(key)
         layout = self.layout(key)
         rows, vectors = layout.unpack(np.asarray(packed))
         result = RunnerOutput()
