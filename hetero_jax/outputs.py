@@ -37,11 +37,11 @@ class EngineStats:
     steps: int = 0
     scheduled_tokens: int = 0
     generated_tokens: int = 0
-    step_time_s: float = 0.0
+    step_time_s: float = 0.0  # the steps' own time, compiling left out (see compile_s)
     preemptions: int = 0
     compiles: int = 0  # step variants built in this process: compiled, or loaded from disk
     compile_loads: int = 0  # of those, loaded from the persistent compilation cache
-    compile_s: float = 0.0  # part of step_time_s (and warm-up) spent compiling and loading
+    compile_s: float = 0.0  # spent compiling and loading variants, in steps and warm-up
     # prefix cache: admissions that looked up, the prompt tokens they asked for and found,
     # and cached pages evicted to make room
     cache_queries: int = 0
