@@ -132,3 +132,19 @@ print(json.dumps(dict(built=built, variants=len(engine.config.variants()), maps=
     assert run.returncode == 0, run.stderr[-3000:]
     r = json.loads(run.stdout.strip().splitlines()[-1])
     assert r["built"] == r["variants"] == 106 and r["maps"] < r["limit"]
+
+
+def test_step_time_leaves_compiling_out():
+    """A step that builds a new variant reports its own time in `step_time`; the build's
+    seconds go to `compile_s` only (the bandit's rewards and mean step times read step_time)."""
+    import time
+
+    from hetero_jax import Engine, SamplingParams
+
+    engine = Engine.from_preset("tiny", seed=0, config=EngineConfig(max_model_len=128))
+    build = engine.runner.executable._build
+    engine.runner.executable._build = lambda key: time.sleep(1.0) or build(key)  # a slow compile
+    engine.generate(["a prompt"], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
+    stats = engine.stats
+    assert stats.compiles >= 1 and stats.compile_s >= 1.0 * stats.compiles
+    assert stats.step_time_s < 1.0, stats  # three tiny steps, none charged for a build
