@@ -198,7 +198,24 @@ def test_feather_bandit_reports_its_arm_and_mean_reward():
     stats = sched.batching.stats()
     assert stats["batching"] == "feather-bandit" and stats["rounds"] >= 2
     assert stats["arm"] in ("loss<=0,cap=4", "loss<=any,cap=max")
-    assert stats["best_mean_reward"] > 0  # decode tokens per step: the fake runner times nothing
+    assert stats["best_mean_reward"] > 0  # tokens per step: the fake runner times nothing
+
+
+def test_feather_bandit_learns_nothing_from_rounds_no_arm_could_change():
+    """One request decoding alone, nothing waiting: every arm runs the same steps, so those
+    rounds reward nothing (a warm-up's or a drain's lone request must not score the arm that
+    happened to be playing); once two groups compete, the rounds count."""
+    cfg = config(batching="feather-bandit", token_budget=64, chunk_size=32, max_num_seqs=8,
+                 page_size=4, num_pages=400, max_model_len=256,
+                 feather=FeatherConfig(window=8, round_steps=2))
+    sched = Scheduler(cfg)
+    sched.add(shared(0, list(range(1, 33)), 3, 40))
+    drive_steps(sched, 12)
+    assert sched.batching.bandit.t == 0
+    for rid, first in ((1, 100), (2, 100), (3, 200), (4, 200)):  # two groups, two each
+        sched.add(shared(rid, list(range(first, first + 32)), 3, 20))
+    drive_steps(sched, 8)
+    assert sched.batching.bandit.t >= 2
 
 
 def test_an_unknown_batching_name_raises_naming_it():

@@ -53,7 +53,7 @@ def test_every_batching_policy_gives_the_tokens_and_embeddings_of_fcfs():
     assert set(stats) == BANDIT_KEYS and json.loads(json.dumps(stats)) == stats  # plain data
     assert stats["arm"] in ("loss<=0,cap=4", "loss<=any,cap=max") and stats["rounds"] >= 1
     assert stats["best_arm"] in ("loss<=0,cap=4", "loss<=any,cap=max"), stats
-    assert stats["best_mean_reward"] > 0  # decode tokens per second of its rounds
+    assert stats["best_mean_reward"] > 0  # tokens per second of its rounds
     def order(outs):  # generation requests by the time of their first token
         gens = [i for i, o in enumerate(outs) if hasattr(o, "token_ids")]
         return sorted(gens, key=lambda i: outs[i].metrics["first_token_time"])

@@ -1,7 +1,7 @@
 """A sliding-window UCB bandit over batch-forming arms (Feather's `feather-bandit`).
 
 In: `choose()` at the start of each round returns an arm index; `reward(arm, value)` at its
-end reports what the round measured (raw: decode tokens per second). Out: the arm to play.
+end reports what the round measured (raw: tokens per second). Out: the arm to play.
 Plain Python; imports no jax.
 
 Only the last `window` rounds count (SW-UCB, Garivier and Moulines 2011), so the bandit

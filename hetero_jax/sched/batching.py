@@ -26,8 +26,15 @@ Plain Python; imports no jax.
   admission, or a decode that has not run for that long, goes first whatever the limits, so
   nothing starves.
 - `feather-bandit`: `feather` whose (loss_limit, cap) arm a sliding-window UCB bandit
-  (`bandit.py`) picks per round of `round_steps` steps, rewarded by the round's decode tokens
-  per second (measured step times; tokens per step when a runner reports none).
+  (`bandit.py`) picks per round of `round_steps` steps, rewarded by the round's tokens per
+  second: every token its steps carried (decodes, prefill and embedding chunks; measured step
+  times without compiling, tokens per step when a runner reports none). Counting decodes only
+  favoured the arms that put prefills off: the prefills fell into later rounds, often an
+  `any` round's. A round in which no arm could have decided anything (nothing waiting past
+  the floor, the running batch one request or sharing one prefix, none over a cap) rewards
+  nothing, and the window (32 rounds) forgets a load phase that is over: a bench's warm-up
+  and a lone request draining once kept `any` unplayed through a whole 4-group burst (257
+  steps against fcfs's 71; 108 now).
 """
 from __future__ import annotations
 
@@ -49,7 +56,7 @@ class FeatherConfig:
     floor: int = 4  # batch size below which any request is admitted
     aging_steps: int = 1024  # waiting this many steps forces a request (or a decode) in
     arms: tuple = DEFAULT_ARMS  # feather-bandit: (loss_limit, cap) pairs
-    window: int = 256  # feather-bandit: rounds the bandit remembers
+    window: int = 32  # feather-bandit: rounds the bandit remembers
     round_steps: int = 4  # feather-bandit: steps per round (one arm each)
     exploration: float = 1.0  # feather-bandit: the UCB constant c
 
@@ -251,17 +258,28 @@ class FeatherBanditBatching(FeatherBatching):
         self.arm = self.arms[self.arm_index]
         self._tokens = self._time = 0.0
         self._steps = 0
+        self._contested = False  # whether the round's arm could have decided anything
+        self._min_cap = min((a.cap for a in self.arms if a.cap is not None), default=None)
+
+    def begin_step(self) -> None:
+        super().begin_step()
+        running, least = len(self.cht.running), min(self.floor, self._min_cap or self.floor)
+        self._contested |= (bool(self.cht.waiting) and running >= least) or (
+            running > 1 and not self.cht.tip) or (
+            self._min_cap is not None and running > self._min_cap)  # below: all arms admit
 
     def step_done(self, out, step_time: float) -> None:
-        self._tokens += sum(it.kind == DECODE for it in out.items)
+        self._tokens += sum(it.num_tokens for it in out.items)
         self._time += step_time if step_time > 0 else 1.0
         self._steps += 1
-        if self._steps >= self.cfg.round_steps:
+        if self._steps < self.cfg.round_steps:
+            return
+        if self._contested:  # else every arm would have run the same steps: nothing to learn
             self.bandit.reward(self.arm_index, self._tokens / self._time)
-            self._tokens = self._time = 0.0
-            self._steps = 0
             self.arm_index = self.bandit.choose()
             self.arm = self.arms[self.arm_index]
+        self._tokens = self._time = 0.0
+        self._steps, self._contested = 0, False
 
     def stats(self) -> dict:
         counts, means, _ = self.bandit.stats()

@@ -23,7 +23,7 @@ is its start plus its tokens). With `SimConfig.cascade` a decode-only step whose
 share cached pages reads them once per tile, as the engine's cascade attention does
 (`kvreads.py`); the result counts the KV tokens read, the steps that used cascade and the
 mean decode batch. The fake runner reports the cost model's step time, so the
-`feather-bandit` batching policy learns from simulated decode tokens per second. Imports no
+`feather-bandit` batching policy learns from simulated tokens per second. Imports no
 jax.
 """
 from __future__ import annotations
