@@ -78,6 +78,10 @@ class ExecutableCache:
     def __contains__(self, key: tuple) -> bool:
         return key in self._held
 
+    def held(self) -> list:
+        """(key, executable) pairs held now, the least recently used first."""
+        return list(self._held.items())
+
     def __call__(self, key: tuple):
         if key in self._held:
             self._held.move_to_end(key)
