@@ -97,11 +97,14 @@ def test_ray_actor_resources_follow_tensor_parallel():
     assert actor_resources(EngineConfig(), 1) == (1, None)
     gpus, env = actor_resources(EngineConfig(), 0)
     assert gpus == 0 and "device_count" not in env["env_vars"]["XLA_FLAGS"]
+    before = os.environ.get("XLA_FLAGS")
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
     try:
         gpus, env = actor_resources(EngineConfig(tensor_parallel=2), 0)
     finally:
-        del os.environ["XLA_FLAGS"]
+        os.environ.pop("XLA_FLAGS")
+        if before is not None:
+            os.environ["XLA_FLAGS"] = before
     flags = env["env_vars"]["XLA_FLAGS"].split()
     assert gpus == 0 and flags.count("--xla_force_host_platform_device_count=2") == 1
     assert not any(f.endswith("=8") for f in flags)
