@@ -3,9 +3,10 @@
 Runs a decode step (`--batch` sequences at `--context` cached tokens, small preset by default)
 under `jax.profiler`, then sums the time of every XLA:CPU kernel over the CPU's worker threads,
 grouped by what its fusion computes (read from the executable's optimised HLO): a gather, a
-dot, a scatter (the KV write), a reduction or exponential (softmax, norms), a transpose, or
-other elementwise work. Thread time is summed over the threads, so it exceeds the wall time
-when the kernels run in parallel.
+dot (the weights' matmuls), a batched dot (attention's scores and values), a scatter (the KV
+write), a reduction or exponential (softmax, norms), a transpose, or other elementwise work.
+Thread time is summed over the threads, so it exceeds the wall time when kernels run in
+parallel.
 
     python scripts/profile_step.py --preset small --batch 16 --context 384
 """
@@ -33,7 +34,10 @@ def fusion_kinds(hlo: str) -> dict:
     out = {}
     for name, comp in re.findall(r"(%[\w.-]+) = [^\n]*?fusion\([^\n]*calls=(%[\w.-]+)", hlo):
         body = bodies.get(comp, "")
-        out[name[1:]] = next((kind for kind, op in KINDS if op in body), "elementwise")
+        kind = next((kind for kind, op in KINDS if op in body), "elementwise")
+        if kind == "dot" and "lhs_batch_dims" in body:
+            kind = "batched dot"  # attention's scores and values; the weights' dots have none
+        out[name[1:]] = kind
     return out
 
 

@@ -14,5 +14,5 @@ def test_fusions_are_named_by_the_gather_and_the_dot_they_hold():
     hlo = jax.jit(attend).lower(pages, idx, q).compile().as_text()
     kinds = load_script("profile_step").fusion_kinds(hlo)
     assert "gather" in kinds.values(), kinds
-    assert set(kinds.values()) <= {"gather", "scatter", "dot", "reduce/exp", "transpose",
-                                   "elementwise"}
+    assert set(kinds.values()) <= {"gather", "scatter", "dot", "batched dot", "reduce/exp",
+                                   "transpose", "elementwise"}
