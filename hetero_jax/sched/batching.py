@@ -32,9 +32,9 @@ Plain Python; imports no jax.
   favoured the arms that put prefills off: the prefills fell into later rounds, often an
   `any` round's. A round in which no arm could have decided anything (nothing waiting past
   the floor, the running batch one request or sharing one prefix, none over a cap) rewards
-  nothing, and the window (32 rounds) forgets a load phase that is over: a bench's warm-up
+  nothing, and the window (64 rounds) forgets a load phase that is over: a bench's warm-up
   and a lone request draining once kept `any` unplayed through a whole 4-group burst (257
-  steps against fcfs's 71; 108 now).
+  steps against fcfs's 71; 71 now, and 100 or 154 with windows of 32 or 256 rounds).
 """
 from __future__ import annotations
 
@@ -56,7 +56,7 @@ class FeatherConfig:
     floor: int = 4  # batch size below which any request is admitted
     aging_steps: int = 1024  # waiting this many steps forces a request (or a decode) in
     arms: tuple = DEFAULT_ARMS  # feather-bandit: (loss_limit, cap) pairs
-    window: int = 32  # feather-bandit: rounds the bandit remembers
+    window: int = 64  # feather-bandit: rounds the bandit remembers
     round_steps: int = 4  # feather-bandit: steps per round (one arm each)
     exploration: float = 1.0  # feather-bandit: the UCB constant c
 
