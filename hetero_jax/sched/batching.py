@@ -34,7 +34,7 @@ Plain Python; imports no jax.
   the floor, the running batch one request or sharing one prefix, none over a cap) rewards
   nothing, and the window (64 rounds) forgets a load phase that is over: a bench's warm-up
   and a lone request draining once kept `any` unplayed through a whole 4-group burst (257
-  steps against fcfs's 71; 71 now, and 100 or 154 with windows of 32 or 256 rounds).
+  steps against fcfs's 71; 71-146 now, 100 and 154 with windows of 32 and 256 rounds).
 """
 from __future__ import annotations
 
