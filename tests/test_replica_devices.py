@@ -86,7 +86,7 @@ def test_too_few_gpus_refuse_before_any_process(tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == [], "no replica process started"
 
 
-def test_ray_actor_resources_follow_tensor_parallel():
+def test_ray_actor_resources_follow_tensor_parallel(monkeypatch):
     """A Ray engine actor: on GPUs at least its TP degree of them and no XLA flags; on CPUs
     one XLA thread and TP host devices (a flag already set is replaced, not repeated)."""
     from hetero_jax import EngineConfig
@@ -97,14 +97,8 @@ def test_ray_actor_resources_follow_tensor_parallel():
     assert actor_resources(EngineConfig(), 1) == (1, None)
     gpus, env = actor_resources(EngineConfig(), 0)
     assert gpus == 0 and "device_count" not in env["env_vars"]["XLA_FLAGS"]
-    before = os.environ.get("XLA_FLAGS")
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
-    try:
-        gpus, env = actor_resources(EngineConfig(tensor_parallel=2), 0)
-    finally:
-        os.environ.pop("XLA_FLAGS")
-        if before is not None:
-            os.environ["XLA_FLAGS"] = before
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    gpus, env = actor_resources(EngineConfig(tensor_parallel=2), 0)
     flags = env["env_vars"]["XLA_FLAGS"].split()
     assert gpus == 0 and flags.count("--xla_force_host_platform_device_count=2") == 1
     assert not any(f.endswith("=8") for f in flags)
