@@ -1,14 +1,18 @@
 """Batch-forming policies (no jax): every policy loses and duplicates nothing over random
 shared-prefix workloads with aborts and preemptions; the radix tree and LPM order by hand;
 feather's aging; the bandit on synthetic rewards; clear errors for bad settings."""
+import dataclasses
 import random
+import statistics
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hetero_jax.sched import BATCHING, GENERATE, FeatherConfig, Request, Scheduler, Status
-from hetero_jax.sched.bandit import Arm, SlidingWindowUCB, make_arms
+from hetero_jax.sched.bandit import (Arm, SlidingWindowUCB, held_back_efficiency, make_arms,
+                                     marginal_cost)
 from hetero_jax.sched.radix import RadixTree
 from tests.sched_fakes import config, emb, expected_tokens, fake_runner
 
@@ -185,6 +189,69 @@ def test_bandit_picks_the_best_arm_after_warm_up_and_follows_a_switch():
     assert late.count(7) / len(late) >= 0.8, f"{late.count(7) / len(late)=:.2f}"
 
 
+def play(bandit, reward, rounds: int) -> tuple:
+    """(the arms picked, the rewards they got), round by round."""
+    picks, got = [], []
+    for _ in range(rounds):
+        arm = bandit.choose()
+        picks.append(arm)
+        got.append(reward(arm))
+        bandit.reward(arm, got[-1])
+    return picks, got
+
+
+def test_conservative_bandit_loses_at_most_its_margin_to_the_baseline():
+    """The baseline arm (fcfs's) is the best: plain UCB keeps trying the 8 others and gives up
+    ~4.5% of the reward; the conservative rule keeps the loss within its 3% margin."""
+    for seed in range(3):
+        conservative = SlidingWindowUCB(9, window=64, c=1.0, baseline=8, margin=0.03)
+        _, got = play(conservative, synthetic(8, random.Random(seed)), 1000)
+        assert statistics.mean(got[100:]) >= 0.97, f"{seed=}: {statistics.mean(got[100:])=}"
+        _, plain = play(SlidingWindowUCB(9, window=64, c=1.0), synthetic(8, random.Random(seed)),
+                        1000)
+        assert statistics.mean(plain[100:]) < 0.97  # the rule is what keeps the margin
+
+
+def test_conservative_bandit_still_finds_a_better_arm_and_follows_switches():
+    rng = random.Random(0)
+    bandit = SlidingWindowUCB(9, window=64, c=1.0, baseline=8, margin=0.03)
+    for best, skip in ((4, 100), (7, 64), (8, 64)):  # better than the baseline, then it again
+        picks, _ = play(bandit, synthetic(best, rng), 400)
+        late = picks[skip:]
+        assert late.count(best) / len(late) >= 0.8, f"{best=}: {late.count(best) / len(late)=}"
+
+
+def test_bandit_settings_out_of_range_raise_naming_the_value():
+    with pytest.raises(ValueError, match="baseline=3"):
+        SlidingWindowUCB(3, baseline=3)
+    with pytest.raises(ValueError, match="margin=1.0"):
+        SlidingWindowUCB(3, baseline=0, margin=1.0)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_marginal_cost_is_the_least_squares_slope_within_its_bounds(seed):
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(1, 300, size=int(rng.integers(3, 200))).astype(np.float64)
+    seconds = 0.014 + 0.0005 * tokens + rng.normal(0, 0.002, tokens.size)
+    slope = np.polyfit(tokens, seconds, 1)[0]  # float64 reference
+    got = marginal_cost(list(zip(tokens.tolist(), seconds.tolist())))
+    assert got == pytest.approx(min(max(slope, 0.0), seconds.mean() / tokens.mean()), rel=1e-9)
+    assert marginal_cost([(8, 1.0), (8, 2.0)]) == marginal_cost([(8, 1.0)]) == 0.0
+    assert marginal_cost([(1, 1.0), (9, 0.5)]) == 0.0  # a negative slope is no cost
+    assert marginal_cost([(1, 0.0), (2, 1.0)]) == pytest.approx(0.5 / 1.5)  # <= mean s/token
+
+
+def test_held_back_efficiency_is_below_one_unless_the_smaller_batch_was_faster():
+    a, b = 0.014, 0.0005  # this CPU's step: 14 ms + 0.5 ms a token
+    full = 32 / (a + b * 32)  # tokens/s of the step that runs all 32 decodes
+    assert held_back_efficiency(32, a + b * 32, 0, b) == pytest.approx(1.0)
+    held = held_back_efficiency(8, a + b * 8, 24, b)  # ran 8, held 24 back
+    assert held == pytest.approx((8 / (a + b * 8)) / full) and held < 0.5
+    fast = 0.2 * (a + b * 8)  # the 8 ran 5x faster than the cost line: homogeneity paid
+    paid = held_back_efficiency(8, fast, 24, b)
+    assert paid == pytest.approx((8 / fast) / (32 / (fast + 24 * b))) and paid > 1
+
+
 def test_feather_bandit_reports_its_arm_and_mean_reward():
     prefix = list(range(1, 33))
     cfg = config(batching="feather-bandit", token_budget=64, chunk_size=32, max_num_seqs=8,
@@ -199,6 +266,37 @@ def test_feather_bandit_reports_its_arm_and_mean_reward():
     assert stats["batching"] == "feather-bandit" and stats["rounds"] >= 2
     assert stats["arm"] in ("loss<=0,cap=4", "loss<=any,cap=max")
     assert stats["best_mean_reward"] > 0  # tokens per step: the fake runner times nothing
+
+
+def test_feather_bandit_scores_a_round_by_what_its_arm_held_back():
+    """A step costs 14 ms + 0.5 ms a token, as on this CPU. One group runs; a second arrives.
+    The loss <= 0 round refuses it (fcfs would have admitted all 3): that round scores its
+    tokens/s over what it would have made with them, below 1; the `any` rounds hold nothing
+    back and score 1."""
+    def timed(out):
+        tokens = sum(it.num_tokens for it in out.items)
+        return dataclasses.replace(fake_runner(out), step_time=0.014 + 0.0005 * tokens)
+
+    cfg = config(batching="feather-bandit", token_budget=64, chunk_size=32, max_num_seqs=8,
+                 page_size=4, num_pages=400, max_model_len=256,
+                 feather=FeatherConfig(chunk_pages=1, floor=2, arms=((0, None), (None, None)),
+                                       window=8, round_steps=2, margin=None))
+    sched = Scheduler(cfg)
+    for rid in range(3):
+        sched.add(shared(rid, list(range(1, 17)), 2, 30))
+    for rid in range(3, 6):
+        if rid == 3:
+            for _ in range(3):  # the first group admitted, decoding under loss <= 0
+                out = sched.schedule()
+                sched.update(out, timed(out))
+            assert sched.batching.arm == Arm(0, None) and not sched.batching.bandit.history
+        sched.add(shared(rid, list(range(100, 116)), 2, 30))
+    for _ in range(6):
+        out = sched.schedule()
+        sched.update(out, timed(out))
+    (first_arm, first), *rest = sched.batching.bandit.history
+    assert first_arm == 0 and 0 < first < 0.9, first  # it held 3 admissions back
+    assert rest and all(arm == 1 and value == pytest.approx(1.0) for arm, value in rest), rest
 
 
 def test_feather_bandit_learns_nothing_from_rounds_no_arm_could_change():
@@ -233,6 +331,8 @@ def test_an_unknown_batching_name_raises_naming_it():
     (dict(arms=((0, 8), (0, 8))), "repeat"),
     (dict(loss_limit=1.5), "loss_limit=1.5"),
     (dict(window=2), "window=2"),
+    (dict(margin=1.0), "margin=1.0"),
+    (dict(margin="3%"), "margin='3%'"),
 ])
 def test_bad_feather_settings_raise_naming_the_value(kwargs, match):
     with pytest.raises(ValueError, match=match):

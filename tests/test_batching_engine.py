@@ -35,8 +35,8 @@ def test_every_batching_policy_gives_the_tokens_and_embeddings_of_fcfs():
                        scheduler="ibs", batching="feather-bandit",
                        feather=FeatherConfig(chunk_pages=1, loss_limit=0, floor=2,
                                              aging_steps=8, arms=((0, 4), (None, None)),
-                                             window=4, round_steps=2))
-    engine = Engine.from_preset("tiny", config=cfg)
+                                             window=4, round_steps=2, margin=None))
+    engine = Engine.from_preset("tiny", config=cfg)  # plain UCB: its first round plays (0, 4)
     assert engine.scheduler.batching.name == "feather-bandit"
     assert "batching" in {f.name for f in dataclasses.fields(EngineStats)}  # a declared field
     fresh = engine.stats.batching  # before any step: the first arm, nothing played yet

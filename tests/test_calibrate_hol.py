@@ -33,7 +33,14 @@ def test_calibrate_fits_a_cost_model_the_simulator_loads(tmp_path, capsys):
     # Held-out steps (every fourth, not fitted): R^2 0.96-1.00 in 8 runs on a 2-core machine
     # at load average 2-3, 0.76 once with compiles running beside it. A fit that misses how the
     # step time depends on the step's shape scores about 0 or below: -0.5..0.01 with the step
-    # times shuffled before the fit. 0.5 keeps that margin on both sides.
+    # times shuffled before the fit. 0.5 keeps that margin on both sides. With the suite in 2
+    # processes it failed once (a full-suite run beside the other process's compiles, passing
+    # alone), so a second calibration is taken before failing: a fit that misses the shapes
+    # fails both.
+    if fit["held_out"]["r2"] < 0.5:
+        load_script("calibrate").main(["--fast", "--out", str(path)])
+        capsys.readouterr()
+        fit = json.loads(path.read_text())["fit"]
     assert fit["held_out"]["r2"] >= 0.5, fit["held_out"]
     r = simulate(SimConfig(SchedulerConfig(token_budget=64, chunk_size=32, num_pages=512),
                            WorkloadConfig(num_requests=10, arrival="burst")), cost)

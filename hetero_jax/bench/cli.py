@@ -271,7 +271,8 @@ def _print_results(cfg: BenchConfig, rows: list, config: dict) -> None:
         b = r.get("batching") or {}
         if "best_arm" in b:
             print(f"{r['scheduler']} at {r['ratio']}: {b['rounds']} rounds, last arm {b['arm']}, "
-                  f"best arm {b['best_arm']} ({b['best_mean_reward']:.1f} tok/s)")
+                  f"best arm {b['best_arm']} ({b['best_mean_reward']:.3f} of the tokens/s with "
+                  "nothing held back)")
         if r["scheduler"] == "hf" and r.get("vs_ibs"):
             print(f"ibs / transformers at {r['ratio']}: {1 / r['vs_ibs']:.2f}x requests/s")
     print(NOTES)

@@ -26,26 +26,35 @@ Plain Python; imports no jax.
   admission, or a decode that has not run for that long, goes first whatever the limits, so
   nothing starves.
 - `feather-bandit`: `feather` whose (loss_limit, cap) arm a sliding-window UCB bandit
-  (`bandit.py`) picks per round of `round_steps` steps, rewarded by the round's tokens per
-  second: every token its steps carried (decodes, prefill and embedding chunks; measured step
-  times without compiling, tokens per step when a runner reports none). Counting decodes only
-  favoured the arms that put prefills off: the prefills fell into later rounds, often an
-  `any` round's. A round in which no arm could have decided anything (nothing waiting past
-  the floor, the running batch one request or sharing one prefix, none over a cap) rewards
-  nothing, and the window (64 rounds) forgets a load phase that is over: a bench's warm-up
-  and a lone request draining once kept `any` unplayed through a whole 4-group burst (257
-  steps against fcfs's 71; 71-146 now, 100 and 154 with windows of 32 and 256 rounds).
+  (`bandit.py`) picks per round of `round_steps` steps. A round's reward is its tokens per
+  second (every token its steps carried: decodes, prefill and embedding chunks; step times
+  without compiling) over the tokens per second it would have made running, beside them,
+  what its arm held back: the decodes it left waiting and the requests fcfs would have
+  admitted, one token each, at the marginal cost of a token (the slope of the last 256 steps'
+  times against their tokens). So a round that held nothing scores 1, and one that held
+  something scores above 1 only where the smaller batch ran faster per token than the full
+  one would have (a shared prefix's KV read once). Plain tokens per second could not see
+  that cost: it falls on later rounds, whose batches the held requests stretch (4 groups in
+  a 32-request burst: 222-234 steps against fcfs's 71, the held rounds scoring the same
+  tokens/s as fcfs's). A round in which no arm could have decided anything (nothing waiting
+  past the floor, the running batch one request or sharing one prefix, none over a cap)
+  rewards nothing, and the window (64 rounds) forgets a load phase that is over. The bandit
+  is conservative about the `any` arm at the largest cap (fcfs's batches): it plays first,
+  and the others only within `margin` of its reward (`bandit.py`).
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 
-from hetero_jax.sched.bandit import DEFAULT_ARMS, Arm, SlidingWindowUCB, make_arms
+from hetero_jax.sched.bandit import (DEFAULT_ARMS, Arm, SlidingWindowUCB, held_back_efficiency,
+                                     make_arms, marginal_cost)
 from hetero_jax.sched.cht import ChunkedHashTree
 from hetero_jax.sched.output import DECODE
 from hetero_jax.sched.radix import LPM_FALLBACK, RadixTree
 
 BATCHING = ("fcfs", "lpm", "feather", "feather-bandit")
+STEP_MEMORY = 256  # feather-bandit: steps its fit of a token's marginal cost remembers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +68,9 @@ class FeatherConfig:
     window: int = 64  # feather-bandit: rounds the bandit remembers
     round_steps: int = 4  # feather-bandit: steps per round (one arm each)
     exploration: float = 1.0  # feather-bandit: the UCB constant c
+    # feather-bandit: the share of the fcfs arm's (any loss, no cap) reward exploring may
+    # cost (conservative UCB, `bandit.py`); None, or no such arm: plain UCB
+    margin: float | None = 0.03
 
     def __post_init__(self):
         for name, lo in (("chunk_pages", 1), ("floor", 1), ("aging_steps", 1), ("window", 1),
@@ -73,6 +85,9 @@ class FeatherConfig:
                              f"{len(self.arms)} bandit arms")
         if not (isinstance(self.exploration, (int, float)) and 0 <= self.exploration < 1e9):
             raise ValueError(f"exploration={self.exploration!r} must be a number >= 0")
+        if self.margin is not None and not (isinstance(self.margin, (int, float))
+                                            and 0 <= self.margin < 1):
+            raise ValueError(f"margin={self.margin!r} must be None or a number in [0, 1)")
 
 
 class FcfsBatching:
@@ -158,6 +173,7 @@ class FeatherBatching(FcfsBatching):
         self.floor = f.floor
         self.since: dict = {}  # waiting request_id -> step it (re)entered the queue, in that order
         self.last_run: dict = {}  # running request_id -> step its last decode was scheduled
+        self.refused = False  # whether this step's arm, not the engine's limits, held admissions
 
     @property
     def cap(self) -> int:
@@ -214,6 +230,7 @@ class FeatherBatching(FcfsBatching):
             n, d, limit = len(self.cht.running), self.cht.describe(req), self.arm.loss_limit
             if n >= self.cap or (n >= self.floor and limit is not None and (
                     d.loss > limit or d.held < (best.held > 0))):  # lose, or start a group
+                self.refused = n < self.max_seqs  # the arm's limits, not the engine's, held it
                 return  # while others share with the batch
             yield req
             if req.request_id in self.cht.running and d.held > 0 and d.loss == 0:
@@ -253,33 +270,49 @@ class FeatherBanditBatching(FeatherBatching):
         super().__init__(cfg)
         f = cfg.feather
         self.arms = f.arms
-        self.bandit = SlidingWindowUCB(len(self.arms), f.window, f.exploration)
+        fcfs = Arm(None, None)
+        baseline = self.arms.index(fcfs) if f.margin is not None and fcfs in self.arms else None
+        self.bandit = SlidingWindowUCB(len(self.arms), f.window, f.exploration, baseline,
+                                       f.margin or 0.0)
         self.arm_index = self.bandit.choose()
         self.arm = self.arms[self.arm_index]
         self._tokens = self._time = 0.0
-        self._steps = 0
+        self._steps = self._held = 0
         self._contested = False  # whether the round's arm could have decided anything
+        self._recent = collections.deque(maxlen=STEP_MEMORY)  # (tokens, seconds) per step
         self._min_cap = min((a.cap for a in self.arms if a.cap is not None), default=None)
 
     def begin_step(self) -> None:
         super().begin_step()
+        self.refused = False
         running, least = len(self.cht.running), min(self.floor, self._min_cap or self.floor)
         self._contested |= (bool(self.cht.waiting) and running >= least) or (
             running > 1 and not self.cht.tip) or (
             self._min_cap is not None and running > self._min_cap)  # below: all arms admit
 
+    def decodes(self, reqs: list) -> list:
+        chosen = super().decodes(reqs)
+        self._held += len(reqs) - len(chosen)
+        return chosen
+
     def step_done(self, out, step_time: float) -> None:
-        self._tokens += sum(it.num_tokens for it in out.items)
-        self._time += step_time if step_time > 0 else 1.0
+        if self.refused:  # the requests fcfs would have admitted, one decode token each later
+            room = self.max_seqs - len(self.cht.running)
+            self._held += max(min(len(self.cht.waiting), room), 0)
+        tokens, seconds = sum(it.num_tokens for it in out.items), step_time or 1.0
+        self._recent.append((tokens, seconds))
+        self._tokens += tokens
+        self._time += seconds
         self._steps += 1
         if self._steps < self.cfg.round_steps:
             return
-        if self._contested:  # else every arm would have run the same steps: nothing to learn
-            self.bandit.reward(self.arm_index, self._tokens / self._time)
+        if self._contested and self._tokens + self._held > 0:  # else nothing to learn
+            self.bandit.reward(self.arm_index, held_back_efficiency(
+                self._tokens, self._time, self._held, marginal_cost(self._recent)))
             self.arm_index = self.bandit.choose()
             self.arm = self.arms[self.arm_index]
         self._tokens = self._time = 0.0
-        self._steps, self._contested = 0, False
+        self._steps, self._held, self._contested = 0, 0, False
 
     def stats(self) -> dict:
         counts, means, _ = self.bandit.stats()
