@@ -52,8 +52,8 @@ class EngineStats:
     # the batching policy's `stats()` after the last step, plain data: {"batching": its name}
     # for fcfs and lpm; feather adds "arm" (its (loss_limit, cap), "loss<=2,cap=max") and
     # "floor"; feather-bandit adds "rounds" played, the arm's "plays" and "mean_reward" (its
-    # rounds' tokens/s over what they would have made holding no decode back, 1.0 when they
-    # held none; None before it has played), "best_arm", "best_mean_reward"
+    # rounds' tokens/s over what they would have made holding back no decode and no
+    # admission, 1.0 when they held none; None before it has played), "best_arm", "best_mean_reward"
     batching: dict = dataclasses.field(default_factory=dict)
 
     @property

@@ -20,8 +20,8 @@ bandit's `any` loss at the largest cap: fcfs): the baseline is played first, and
 only while the window's rewards plus that arm's lower confidence bound (0 for an arm not
 played in the window) stay at least `1 - margin` of what the baseline's mean would have
 earned over those rounds and this one; else the baseline plays. Exploring then costs about
-`margin` of the baseline's reward, measured, where plain UCB keeps playing every arm: on a
-CPU, where an arm that holds decodes back rarely pays, those plays were its whole loss.
+`margin` of the baseline's measured reward (on synthetic rewards where the baseline is best:
+1.6-1.8% against plain UCB's 4.2-4.5%); it bounds only what the reward can see.
 """
 from __future__ import annotations
 

@@ -179,6 +179,10 @@ class FeatherBatching(FcfsBatching):
     def cap(self) -> int:
         return self.arm.cap or self.max_seqs
 
+    def begin_step(self) -> None:
+        super().begin_step()
+        self.refused = False
+
     def add(self, req) -> None:
         self.cht.add(req)
         self.since[req.request_id] = self.step
@@ -284,7 +288,6 @@ class FeatherBanditBatching(FeatherBatching):
 
     def begin_step(self) -> None:
         super().begin_step()
-        self.refused = False
         running, least = len(self.cht.running), min(self.floor, self._min_cap or self.floor)
         self._contested |= (bool(self.cht.waiting) and running >= least) or (
             running > 1 and not self.cht.tip) or (
