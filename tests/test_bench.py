@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from hetero_jax import EmbedRequest, Engine, EngineConfig, SamplingParams
-from hetero_jax.bench.cli import median_run, serve_all
+from hetero_jax.bench.cli import Contender, median_run, serve_all, workload_items
 from hetero_jax.bench.config import SCHEDULERS, parse_config
 from hetero_jax.bench.workloads import SharedPrefixWorkload
 from hetero_jax.cli import main
@@ -242,3 +242,19 @@ def test_generate_prints_and_writes_its_summary(tmp_path, capsys):
     assert 0 < r["ttft_p50_s"] <= r["p50_latency_s"] <= r["p99_latency_s"] <= r["wall_s"]
     assert r["steps"] > 0 and r["preemptions"] == 0
     assert "3 requests, 15 tokens in" in capsys.readouterr().out
+
+
+def test_every_run_starts_from_an_empty_prefix_cache():
+    """A repeat of the same items finds only what its own run cached (a group's prefix), not
+    the whole prompts that the warm-up or an earlier repeat left in the cache."""
+    cfg = parse_config(["--preset", "tiny", "--workload", "shared-prefix", "--groups", "2",
+                        "--prompts-per-group", "3", "--prefix-len", "48", "--suffix-len", "16",
+                        "--output-len", "2", "--ratios", "0:1", "--clients", "1",
+                        "--compile-cache", "none", "--no-progress"])
+    contender = Contender("ibs", cfg, cfg.engine_config())
+    ((_, items),), _ = workload_items(cfg)
+    rates = [contender.serve(items, clients=1)["cache_hit_rate"] for _ in range(2)]
+    # one client, 64-token prompts, 3 pages looked up each (the last page holds the token to
+    # compute): a group's first prompt hits nothing, its next two the 3-page prefix; a warm
+    # cache would hit all 6
+    assert rates == [pytest.approx(4 / 6)] * 2

@@ -71,6 +71,19 @@ def test_bad_input_raises_and_the_engine_stays_usable(dedicated):
     assert len(out.token_ids) == 3
 
 
+def test_reset_prefix_cache_forgets_both_workers_prefixes(dedicated):
+    prompt = list(range(1, 70))  # 4 full pages of 16
+    dedicated.generate([prompt], SamplingParams(max_tokens=1))  # caches them
+    hits = []
+    for reset in (False, True):
+        before = dedicated.stats["generate"].cache_hit_tokens
+        if reset:
+            dedicated.reset_prefix_cache()
+        dedicated.generate([prompt], SamplingParams(max_tokens=1))
+        hits.append(dedicated.stats["generate"].cache_hit_tokens - before)
+    assert hits == [64, 0], "the rerun hit its 4 cached pages; after the reset, none"
+
+
 def test_make_engine_picks_the_engine_and_refuses_unknown_names():
     with pytest.raises(ValueError, match="neither a preset"):
         make_engine("no-such-model", EngineConfig(scheduler="dedicated"))

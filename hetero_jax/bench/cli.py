@@ -69,7 +69,10 @@ class Contender:
 
     def serve(self, items: list, clients: int, on_done=None, index=None,
               iterations: int = 2) -> dict:
-        """Run `items` through the closed loop; returns the summary row."""
+        """Run `items` through the closed loop from an empty prefix cache (so no run finds
+        the prompts of the warm-up or of an earlier repeat of the same items); returns the
+        summary row."""
+        self.engine.reset_prefix_cache()
         before = counters(self.engine)
         records = asyncio.run(self._loop(items, clients, on_done, index, iterations))
         after = counters(self.engine)

@@ -77,6 +77,8 @@ def _worker(role: str, core: int, spec: ModelSource, config: EngineConfig, conn)
                 result = (engine.run(arg, use_tqdm=False), engine.stats)
             elif cmd == "warmup":
                 result = engine.warmup()
+            elif cmd == "reset_prefix_cache":
+                result = engine.reset_prefix_cache()
             else:
                 raise ValueError(f"unknown command {cmd!r}")
         except Exception as e:  # noqa: BLE001 - the engine stays usable; the parent raises
@@ -185,6 +187,13 @@ class DedicatedEngine(BatchAPI):
         for conn in self._conns.values():
             conn.send(("warmup", None))
         return sum(self._receive(role) for role in self._conns)
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix in both workers (as `Engine.reset_prefix_cache`)."""
+        for conn in self._conns.values():
+            conn.send(("reset_prefix_cache", None))
+        for role in self._conns:
+            self._receive(role)
 
     def run(self, requests: list, use_tqdm: bool = True) -> list:
         """Embedding requests to one worker, generation requests to the other, at once;
