@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from hetero_jax import EmbedRequest, Engine, EngineConfig, SamplingParams
-from hetero_jax.bench.cli import Contender, median_run, serve_all, workload_items
+from hetero_jax.bench.cli import (Contender, median_run, serve_all, share_compiled_steps,
+                                workload_items)
 from hetero_jax.bench.config import SCHEDULERS, parse_config
 from hetero_jax.bench.workloads import SharedPrefixWorkload
 from hetero_jax.cli import main
@@ -258,3 +259,19 @@ def test_every_run_starts_from_an_empty_prefix_cache():
     # compute): a group's first prompt hits nothing, its next two the 3-page prefix; a warm
     # cache would hit all 6
     assert rates == [pytest.approx(4 / 6)] * 2
+
+
+def test_engines_that_differ_only_in_scheduling_share_their_compiled_steps():
+    base = EngineConfig(token_budget=64, chunk_size=32, max_num_seqs=8, max_model_len=256,
+                        token_buckets=(64,), chunk_seq_buckets=(4,), page_buckets=(16,))
+    configs = [base, dataclasses.replace(base, batching="feather-bandit", scheduler="ibs"),
+               dataclasses.replace(base, cascade_rows=0)]
+    engines = [Engine.from_preset("tiny", config=c) for c in configs]
+    alone = Engine.from_preset("tiny", config=configs[1])
+    share_compiled_steps(engines)
+    fcfs, bandit, plain = (e.runner.executable for e in engines)
+    assert bandit is fcfs and plain is not fcfs, "cascade off changes the steps' inputs"
+    params = SamplingParams(max_tokens=6, temperature=0.0)
+    prompts = [[256, 3, 4, 5 + i] for i in range(3)]
+    assert [o.token_ids for o in engines[1].generate(prompts, params)] == [
+        o.token_ids for o in alone.generate(prompts, params)]

@@ -158,7 +158,7 @@ class Engine(BatchAPI):
         built = self.runner.warmup(self.config.variants())
         if self.encoder:
             built += self.encoder.runner.warmup()
-        self._count_compiles()
+        self.count_compiles()
         return built
 
     def run(self, requests: list, use_tqdm: bool = True) -> list:
@@ -293,9 +293,11 @@ class Engine(BatchAPI):
         s.cache_query_tokens, s.cache_hit_tokens = pool.query_pages * ps, pool.hit_pages * ps
         s.cascade_steps = self.runner.cascade_steps
         s.batching = self.scheduler.batching.stats()
-        self._count_compiles()
+        self.count_compiles()
 
-    def _count_compiles(self) -> None:
+    def count_compiles(self) -> None:
+        """Bring `stats`' compile counts up to date with the runners' executable caches (done
+        every step; a bench whose engines share one cache calls it before it reads them)."""
         runners = [self.runner] + ([self.encoder.runner] if self.encoder else [])
         self.stats.compiles = sum(r.compiles for r in runners)
         self.stats.compile_loads = self.runner.compile_loads
