@@ -74,7 +74,7 @@ class Contender:
         the prompts of the warm-up or of an earlier repeat of the same items); returns the
         summary row."""
         self.engine.reset_prefix_cache()
-        if hasattr(self.engine, "count_compiles"):  # its cache may be shared: see below
+        if hasattr(self.engine, "count_compiles"):  # a shared cache: share_compiled_steps
             self.engine.count_compiles()
         before = counters(self.engine)
         records = asyncio.run(self._loop(items, clients, on_done, index, iterations))
