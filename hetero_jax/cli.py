@@ -47,7 +47,7 @@ def cmd_generate(args) -> int:
     else:
         engine = Engine.from_preset(args.preset, seed=args.seed, config=cfg)
     print(f"model: {args.model or args.preset} ({engine.model_cfg.num_params / 1e6:.1f}M params, "
-          f"{args.dtype}); budget {cfg.token_budget} tokens, chunk {cfg.chunk_size}, "
+          f"{engine.config.dtype}); budget {cfg.token_budget} tokens, chunk {cfg.chunk_size}, "
           f"{cfg.max_num_seqs} sequences", flush=True)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_p=args.top_p, ignore_eos=True)
@@ -104,8 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prompt tokens per chunk")
     g.add_argument("--max-num-seqs", type=ints["max_num_seqs"], default=32,
                    help="sequences per engine step")
-    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
-                   help="weights and activations")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="weights and KV cache; auto: bfloat16 on GPUs, float32 on CPUs "
+                        "(default: %(default)s)")
     g.add_argument("--seed", type=ints["seed"], default=0, help="weights (preset) and prompts")
     g.add_argument("--json", type=output_file, default=None, metavar="PATH",
                    help="write the summary here")

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from hetero_jax.requests import INT32_MAX, require_bool, require_int, require_real
 from hetero_jax.sched.batching import FeatherConfig, check_batching
 
-_DTYPES = ("float32", "bfloat16")
+_DTYPES = ("auto", "float32", "bfloat16")
 
 
 def pad_to_bucket(n: int, buckets: tuple) -> int:
@@ -43,7 +43,10 @@ class EngineConfig:
     num_pages: int | None = None  # None: enough for max_num_seqs sequences, capped by kv_cache_gib
     kv_cache_gib: float = 2.0
     max_model_len: int | None = None  # None: min(model's max positions, 2048)
-    dtype: str = "float32"
+    # Weights and KV cache: "auto" is bfloat16 on GPUs (tensor cores, half the bytes) and
+    # float32 elsewhere (XLA:CPU runs 16-bit gathers through float32 copies). float32 on a GPU
+    # runs matmuls as TF32 unless jax's default matmul precision asks for "highest".
+    dtype: str = "auto"
     max_logprobs: int = 5
     scheduler: str = "fcfs"
     # Which generation requests are admitted and decode together (sched/batching.py), apart
@@ -128,6 +131,12 @@ class EngineConfig:
         if self.cost_model is not None and self.scheduler != "ibs":
             raise ValueError(f"cost_model is for scheduler='ibs' (the cost-aware IBS), not "
                              f"{self.scheduler!r}")
+
+    def dtype_on(self, backend: str) -> str:
+        """The concrete dtype on a jax `backend` ("cpu", "gpu", "tpu"): `dtype` unless "auto"."""
+        if self.dtype != "auto":
+            return self.dtype
+        return "bfloat16" if backend in ("gpu", "cuda", "rocm") else "float32"
 
     def resolve(self, model_max_len: int, kv_bytes_per_token: int) -> "EngineConfig":
         """Fill every None from the model: max_model_len, num_pages and the bucket lists."""

@@ -103,12 +103,15 @@ def test_preemption_recomputes_and_loses_nothing():
 
 @pytest.mark.slow  # 12 s in interpret mode; the kernel alone: tests/test_pallas_attention.py
 def test_pallas_attention_engine_matches_xla():
-    """The mixed steps give the same tokens and log-probs with the Pallas kernel (interpret)."""
+    """The mixed steps give the same tokens and log-probs with the Pallas kernel (interpret),
+    in the unrolled layer loop (a Python int layer) and in `scan` (a traced one, as on GPUs)."""
     ps = [[256] + list(range(40, 40 + n)) for n in (3, 30, 11)]
     sp = SamplingParams(max_tokens=6, temperature=0.0, logprobs=1)
-    runs = [Engine.from_preset("tiny", config=dataclasses.replace(CFG, attention_impl=impl))
-            .generate(ps, sp, use_tqdm=False) for impl in ("xla", "pallas")]
-    for x, p in zip(*runs):
-        assert x.token_ids == p.token_ids
-        np.testing.assert_allclose([lp["logprob"] for lp in p.logprobs],
-                                   [lp["logprob"] for lp in x.logprobs], atol=1e-5)
+    xla, *pallas = [Engine.from_preset("tiny", config=dataclasses.replace(
+        CFG, attention_impl=impl, layer_loop=loop)).generate(ps, sp, use_tqdm=False)
+        for impl, loop in (("xla", "auto"), ("pallas", "unrolled"), ("pallas", "scan"))]
+    for run in pallas:
+        for x, p in zip(xla, run):
+            assert x.token_ids == p.token_ids
+            np.testing.assert_allclose([lp["logprob"] for lp in p.logprobs],
+                                       [lp["logprob"] for lp in x.logprobs], atol=1e-5)

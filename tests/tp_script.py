@@ -123,7 +123,8 @@ def greedy() -> list:
 def kernel_per_shard() -> list:
     """Max |difference| of the Pallas kernel under `shard_attention` on both devices from the
     kernel on one: 1 chunk and 2 decode sequences over random pages, without and with a
-    cascade plan (the decode sequences share their first page)."""
+    cascade plan (the decode sequences share their first page), and layer 1 of a stacked
+    two-layer cache."""
     rng = np.random.default_rng(0)
     q, k, v = (jnp.asarray(rng.normal(size=shape), jnp.float32)
                for shape in ((16, 4, 8), (12, 4, 2, 8), (12, 4, 2, 8)))  # Hq=4, Hkv=2, ps=4
@@ -135,8 +136,10 @@ def kernel_per_shard() -> list:
                              num_multi_query_seqs=1)
     sharded = jax.jit(sharding.shard_attention(attn, Mesh(np.array(jax.devices()), ("tp",))))
     args = (q, k, v, kv_lens, pages, cu, jnp.int32(3))
-    return [float(jnp.abs(sharded(*args, cascade=c) - attn(*args, cascade=c)).max())
-            for c in (None, plan)]
+    diffs = [float(jnp.abs(sharded(*args, cascade=c) - attn(*args, cascade=c)).max())
+             for c in (None, plan)]
+    stacked = (q, jnp.stack([v, k]), jnp.stack([k, v])) + args[3:]  # layer 1 is (k, v)
+    return diffs + [float(jnp.abs(sharded(*stacked, layer=1) - attn(*args)).max())]
 
 
 def main(path: str, tmp: str) -> None:

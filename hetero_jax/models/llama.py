@@ -36,6 +36,7 @@ from hetero_jax.models.config import ModelConfig
 from hetero_jax.models.layers import is_unrolled
 from hetero_jax.models.lora import lora_delta, projection_dims
 from hetero_jax.ops.cascade import CascadeMeta
+from hetero_jax.ops.pallas_attention import KernelPlan
 
 
 @flax.struct.dataclass
@@ -56,6 +57,7 @@ class AttnMeta:
     cu_q_lens: jax.Array  # [S+1]
     num_seqs: jax.Array  # [] int32
     cascade: CascadeMeta | None = None  # decode sequences sharing pages: read them once per tile
+    plan: KernelPlan | None = None  # the Pallas kernel's work lists, made once per step
 
 
 def layer_shapes(cfg: ModelConfig) -> dict:
@@ -173,7 +175,8 @@ class Block(nn.Module):
     """One decoder layer: ((h [T, d], k_cache, v_cache), layer index, inputs) -> (same, None).
 
     k_cache/v_cache [L, P, page_size, Hkv, D]: the layer writes its tokens' K/V at
-    `[layer, page, offset]` and attends over `[layer]`.
+    `[layer, page, offset]` and attends over `[layer]`; the attention gets the whole cache and
+    the layer index, so no layer's pages are sliced out (a copy) in front of a custom call.
 
     Params are `layer_shapes` without the layer axis, plus the `lora_a_<w>` [A, in, r] /
     `lora_b_<w>` [A, r, out] leaves where the params carry them (never created here).
@@ -200,9 +203,9 @@ class Block(nn.Module):
         q, k = apply_rope(q, x.cos, x.sin), apply_rope(k, x.cos, x.sin)
         k_cache = k_cache.at[layer, x.page, x.offset].set(k.astype(k_cache.dtype))
         v_cache = v_cache.at[layer, x.page, x.offset].set(v.astype(v_cache.dtype))
-        o = self.attn_fn(q, k_cache[layer], v_cache[layer], x.meta.kv_lens,
-                         x.meta.page_indices, x.meta.cu_q_lens, x.meta.num_seqs,
-                         cascade=x.meta.cascade)
+        o = self.attn_fn(q, k_cache, v_cache, x.meta.kv_lens, x.meta.page_indices,
+                         x.meta.cu_q_lens, x.meta.num_seqs, layer=layer, cascade=x.meta.cascade,
+                         plan=x.meta.plan)
         h = h + _linear(lp, "wo", o.reshape(h.shape[0], -1).astype(h.dtype), ids)
         y = rms_norm(h, lp["mlp_norm"], cfg.rms_norm_eps)
         gate, up = _linear(lp, "w_gate", y, ids), _linear(lp, "w_up", y, ids)
@@ -231,8 +234,8 @@ class UnrolledBlocks(nn.Module):
 class LlamaModel(nn.Module):
     """The decoder (`__call__`) and its LM head (`logits`) over the params pytree above.
 
-    `attn_fn(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, cascade=)` is a
-    ragged paged attention with its static hints bound (None when only `logits` runs); `unrolled`
+    `attn_fn(q, k_cache, v_cache, kv_lens, page_indices, cu_q_lens, num_seqs, layer=, cascade=,
+    plan=)` is a ragged paged attention over the stacked cache with its static hints bound (None when only `logits` runs); `unrolled`
     must match the params layout (`is_unrolled`).
     """
 

@@ -92,8 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-in-flight", type=ints["max_in_flight"], default=None,
                    help="requests handed to the engines at a time; a killed run redoes at most "
                    "these (default: 4 x --max-num-seqs x --replicas)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
-                   help="weights and activations")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="weights and KV cache; auto: bfloat16 on GPUs, float32 on CPUs "
+                        "(default: %(default)s)")
     p.add_argument("--seed", type=ints["seed"], default=0,
                    help="weights (preset) and the sampling seed of prompt rows without one")
     p.add_argument("--compile-cache", type=compile_cache_dir, default="auto", metavar="DIR",

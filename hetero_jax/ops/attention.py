@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from hetero_jax.ops.cascade import CascadeMeta, attend_decode_cascade
-from hetero_jax.ops.pallas_attention import ragged_paged_attention_pallas
+from hetero_jax.ops.pallas_attention import KernelPlan, ragged_paged_attention_pallas
 
 _MASKED = -1e30
 
@@ -113,31 +113,37 @@ def _ragged_paged_attention_xla(q, k_pages, v_pages, kv_lens, page_indices, cu_q
 @functools.partial(jax.jit, static_argnames=("sm_scale", "impl", "max_q_len",
                                              "num_multi_query_seqs", "chunk_pages", "interpret"))
 def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *,
-                           sm_scale=None, impl="xla", max_q_len=None,
+                           layer=None, sm_scale=None, impl="xla", max_q_len=None,
                            num_multi_query_seqs=None, chunk_pages=None, interpret=False,
-                           cascade: CascadeMeta | None = None):
+                           cascade: CascadeMeta | None = None, plan: KernelPlan | None = None):
     """Attention of ragged new tokens over paged KV; see the module docstring.
 
-    q [T, Hq, D]; k_pages, v_pages [P, page_size, Hkv, D]; kv_lens [S]; page_indices [S, pps];
-    cu_q_lens [S+1]; num_seqs int32 scalar. Static hints: `max_q_len` bounds the queries of
-    each of the first `num_multi_query_seqs` sequences; all later sequences have one query.
-    `cascade` (arrays; its decode group is sequences num_multi_query_seqs.. of S) reads shared
-    prefixes once per tile; the decode rows of `page_indices` are then not read.
+    q [T, Hq, D]; k_pages, v_pages [P, page_size, Hkv, D], or with `layer` (an int or int32
+    scalar) the whole stacked cache [L, P, page_size, Hkv, D] of which layer `layer` is read;
+    kv_lens [S]; page_indices [S, pps]; cu_q_lens [S+1]; num_seqs int32 scalar. Static hints:
+    `max_q_len` bounds the queries of each of the first `num_multi_query_seqs` sequences; all
+    later sequences have one query. `cascade` (arrays; its decode group is sequences
+    num_multi_query_seqs.. of S) reads shared prefixes once per tile; the decode rows of
+    `page_indices` are then not read. `plan` (Pallas only: `pallas_attention.plan_work` of the
+    step) is the kernel's work list, computed once per step.
     """
     t, hq, d = q.shape
     s = kv_lens.shape[0]
-    assert hq % k_pages.shape[2] == 0, f"{hq=} is not a multiple of Hkv={k_pages.shape[2]}"
+    assert hq % k_pages.shape[-2] == 0, f"{hq=} is not a multiple of Hkv={k_pages.shape[-2]}"
     sm_scale = 1.0 / float(np.sqrt(d)) if sm_scale is None else sm_scale
     max_q_len = t if max_q_len is None else min(max_q_len, t)
     num_multi_query_seqs = s if num_multi_query_seqs is None else min(num_multi_query_seqs, s)
     if impl == "xla":
+        if layer is not None:
+            k_pages, v_pages = k_pages[layer], v_pages[layer]
         return _ragged_paged_attention_xla(q, k_pages, v_pages, kv_lens, page_indices,
                                            cu_q_lens, num_seqs, sm_scale, max_q_len,
                                            num_multi_query_seqs, chunk_pages, cascade)
     if impl == "pallas":
         return ragged_paged_attention_pallas(q, k_pages, v_pages, kv_lens, page_indices,
-                                             cu_q_lens, num_seqs, sm_scale=sm_scale,
-                                             interpret=interpret, cascade=cascade,
+                                             cu_q_lens, num_seqs, layer=layer, plan=plan,
+                                             sm_scale=sm_scale, interpret=interpret,
+                                             cascade=cascade,
                                              num_multi_query_seqs=num_multi_query_seqs)
     raise ValueError(f"unknown attention impl {impl!r}; expected 'xla' or 'pallas'")
 

@@ -21,8 +21,10 @@ yet, so few long sequences leave most of the GPU idle.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
+import flax.struct
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -33,36 +35,49 @@ import numpy as np
 from hetero_jax.ops.cascade import merge_parts
 
 _MASKED = -0.7 * float(np.finfo(np.float32).max)
+_H200_SMS = 132
 
 
-def _ragged_paged_attention_kernel(work_ref, page_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *,
-                                   sm_scale, block_q, group, group_pad, num_kv_heads, page_size,
-                                   pages_per_block, spare_rows):
-    """One (kv head, query block): work_ref [W, 5], page_ref [S, pps'], q_ref [T * Hq, D],
-    k_ref/v_ref [P * page_size * Hkv, D] (row = (page * page_size + slot) * Hkv + head),
-    o_ref [T * Hq (+ M spare rows in interpret mode), D], lse_ref [T * Hq (+ M)]: each row's
-    log-sum-exp of its scaled scores (for merging with another part, as cascade does)."""
-    h, w = pl.program_id(0), pl.program_id(1)
+def _ragged_paged_attention_kernel(work_ref, page_ref, layer_ref, q_ref, k_ref, v_ref, o_ref,
+                                   lse_ref, *, sm_scale, block_q, group, group_pad,
+                                   num_kv_heads, page_size, pages_per_block, head_dim, num_splits,
+                                   precision, spare_rows):
+    """One (kv head, query block, KV split): work_ref [W, 5], page_ref [S, pps'], layer_ref [1],
+    q_ref [T * Hq, Dp], k_ref/v_ref [L, P * page_size * Hkv, D] (the whole stacked cache, read
+    in place: row = (page * page_size + slot) * Hkv + head of layer `layer_ref[0]`),
+    o_ref [splits, T * Hq (+ M spare rows in interpret mode), Dp], lse_ref [splits, T * Hq (+ M)]:
+    each row's log-sum-exp of its scaled scores over this split's keys (for merging splits, and
+    with another part as cascade does). Dp is D rounded up to a power of two: columns past D are
+    masked on load and never stored by the caller."""
+    h, w, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     seq, q_start, q_count = work_ref[w, 0], work_ref[w, 1], work_ref[w, 2]
     q_pos0, kv_end = work_ref[w, 3], work_ref[w, 4]
+    layer = layer_ref[0]
     m_rows = block_q * group_pad
     rows = jnp.arange(m_rows)
     qi, g = rows // group_pad, rows % group_pad  # [M] token within the block, head in group
     row_ok = (qi < q_count) & (g < group)
     q_rows = jnp.where(row_ok, (q_start + qi) * (num_kv_heads * group) + h * group + g, 0)
-    q = q_ref[q_rows, :]  # [M, D]
+    q = q_ref[q_rows, :]  # [M, Dp]
     q_pos = q_pos0 + qi  # [M]
     block_k = pages_per_block * page_size
     slot = jnp.arange(block_k)
+    cols = jnp.arange(q.shape[-1])  # [Dp]
+
+    def load_kv(ref, kv_rows):  # -> [block_k, Dp]; the padded columns read as 0
+        if head_dim == q.shape[-1]:
+            return ref[layer, kv_rows, :]
+        return pltriton.load(ref.at[layer, kv_rows[:, None], cols[None, :]],
+                             mask=(cols < head_dim)[None, :], other=0.0)
 
     def body(kb, carry):
         o, m, l = carry
         page = page_ref[seq, kb * pages_per_block + slot // page_size]  # [block_k]
         kv_rows = (page * page_size + slot % page_size) * num_kv_heads + h
         key_pos = kb * block_k + slot  # [block_k]
-        k = k_ref[kv_rows, :]  # [block_k, D]
-        v = jnp.where((key_pos < kv_end)[:, None], v_ref[kv_rows, :], 0)  # stale slots: 0 * NaN
-        s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=lax.Precision.HIGHEST,
+        k = load_kv(k_ref, kv_rows)
+        v = jnp.where((key_pos < kv_end)[:, None], load_kv(v_ref, kv_rows), 0)  # stale: 0 * NaN
+        s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
                             preferred_element_type=jnp.float32) * sm_scale  # [M, block_k]
         s = jnp.where((key_pos[None, :] <= q_pos[:, None]) & (key_pos < kv_end)[None, :], s,
                       _MASKED)
@@ -70,22 +85,24 @@ def _ragged_paged_attention_kernel(work_ref, page_ref, q_ref, k_ref, v_ref, o_re
         correction = jnp.exp(m - m_next)
         p = jnp.exp(s - m_next[:, None])
         pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
-                             precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+                             precision=precision, preferred_element_type=jnp.float32)
         return correction[:, None] * o + pv, m_next, correction * l + p.sum(axis=-1)
 
     init = (jnp.zeros((m_rows, q.shape[-1]), jnp.float32),
             jnp.full((m_rows,), jnp.finfo(jnp.float32).min, jnp.float32),
             jnp.zeros((m_rows,), jnp.float32))
-    o, m, l = lax.fori_loop(0, pl.cdiv(kv_end, block_k), body, init)
-    out = o / jnp.where(l == 0.0, 1.0, l)[:, None]  # items without KV (padding) give zeros
+    blocks = pl.cdiv(kv_end, block_k)
+    per_split = pl.cdiv(blocks, num_splits)  # flash-decoding: split `split` of the KV blocks
+    first = jnp.minimum(split * per_split, blocks)
+    o, m, l = lax.fori_loop(first, jnp.minimum(first + per_split, blocks), body, init)
+    out = o / jnp.where(l == 0.0, 1.0, l)[:, None]  # no keys here (padding, empty split): 0
     # Interpret mode writes masked rows back with their old value, so they must not alias a
     # valid row: there they go to this program's spare rows. On GPU they are never written.
     o_rows = jnp.where(row_ok, q_rows, (q_ref.shape[0] + rows) if spare_rows else 0)
-    cols = jnp.arange(q.shape[-1])  # all-array indices: interpret mode has no masked mixed store
-    pltriton.store(o_ref.at[o_rows[:, None], cols[None, :]], out.astype(o_ref.dtype),
+    pltriton.store(o_ref.at[split, o_rows[:, None], cols[None, :]], out.astype(o_ref.dtype),
                    mask=row_ok[:, None])
     lse = jnp.where(l == 0.0, _MASKED, m + jnp.log(jnp.where(l == 0.0, 1.0, l)))
-    pltriton.store(lse_ref.at[o_rows], lse, mask=row_ok)
+    pltriton.store(lse_ref.at[split, o_rows], lse, mask=row_ok)
 
 
 def _work_list(kv_lens, cu_q_lens, num_seqs, num_tokens, block_q, num_items, max_kv):
@@ -112,48 +129,108 @@ def _work_list(kv_lens, cu_q_lens, num_seqs, num_tokens, block_q, num_items, max
     return jnp.stack(work, axis=1).astype(jnp.int32)
 
 
-def _launch(work, page_indices, q, k_pages, v_pages, *, sm_scale, block_q, pages_per_block,
-            num_warps, num_stages, interpret):
-    """The kernel over work items `[W, 5]` whose seq column indexes `page_indices [N, pps]`:
+@flax.struct.dataclass
+class KernelPlan:
+    """The kernel's work lists of one step, computed once per step (not once per layer)."""
+
+    work: jax.Array  # [W, 5] int32: the query blocks of every sequence (`_work_list`)
+    block_q: int = flax.struct.field(pytree_node=False)  # query tokens per work item
+    tile_work: jax.Array | None = None  # [G * nb, 5] int32: cascade tiles' query blocks
+
+
+@dataclasses.dataclass(frozen=True)
+class Tunables:
+    """The kernel's static tiling: `block_q` query tokens per program, `pages_per_block` pages
+    per KV step, `num_splits` programs over one item's KV axis (flash-decoding), Triton's
+    `num_warps` / `num_stages`, the dots' `precision`, `interpret` mode off GPU."""
+
+    sm_scale: float
+    block_q: int
+    pages_per_block: int
+    num_splits: int
+    num_warps: int
+    num_stages: int
+    precision: lax.Precision
+    interpret: bool
+
+
+def kv_splits(num_items: int, num_kv_heads: int, target_programs: int = 2 * _H200_SMS,
+              max_splits: int = 8) -> int:
+    """KV splits per item for a decode-only launch: enough (kv heads x items x splits) programs
+    to fill the GPU's SMs twice over, at most `max_splits`; 1 when the grid is full already."""
+    return max(1, min(max_splits, -(-target_programs // max(1, num_items * num_kv_heads))))
+
+
+def _merge_splits(out, lse, dtype):
+    """out [N, R, Dp] and lse [N, R] of N softmax parts over disjoint keys -> [R, Dp] in
+    `dtype`, [R]."""
+    if out.shape[0] == 1:
+        return out[0].astype(dtype), lse[0]
+    m = lse.max(axis=0)
+    w = jnp.exp(lse - m)  # [N, R]; empty parts (lse = _MASKED) weigh 0
+    total = w.sum(axis=0)
+    merged = (w[..., None] * out.astype(jnp.float32)).sum(axis=0) / total[:, None]
+    return merged.astype(dtype), m + jnp.log(total)
+
+
+def _launch(work, page_indices, layer, q, k_cache, v_cache, tun: Tunables):
+    """The kernel over work items `[W, 5]` whose seq column indexes `page_indices [N, pps]`, on
+    layer `layer` of the stacked cache k_cache/v_cache [L, P, page_size, Hkv, D]:
     q [T, Hq, D] -> (out [T, Hq, D], lse [T, Hq] fp32)."""
     t, hq, d = q.shape
-    num_pages, page_size, hkv, _ = k_pages.shape
+    num_layers, num_pages, page_size, hkv, _ = k_cache.shape
     group = hq // hkv
-    group_pad = pl.next_power_of_2(group)
-    block_k = pages_per_block * page_size
-    if not interpret:
-        for name, n in (("block_q * group_pad", block_q * group_pad), ("block_k", block_k),
-                        ("head_dim", d)):
+    group_pad, d_pad = pl.next_power_of_2(group), max(16, pl.next_power_of_2(d))
+    block_k = tun.pages_per_block * page_size
+    if not tun.interpret:
+        for name, n in (("block_q * group_pad", tun.block_q * group_pad), ("block_k", block_k)):
             assert n >= 16 and n & (n - 1) == 0, f"Triton needs {name}={n} a power of two >= 16"
-    pad_cols = -page_indices.shape[1] % pages_per_block
+    pad_cols = -page_indices.shape[1] % tun.pages_per_block
     page_indices = jnp.pad(jnp.clip(page_indices, 0, num_pages - 1), ((0, 0), (0, pad_cols)))
     kernel = functools.partial(
-        _ragged_paged_attention_kernel, sm_scale=sm_scale, block_q=block_q, group=group,
+        _ragged_paged_attention_kernel, sm_scale=tun.sm_scale, block_q=tun.block_q, group=group,
         group_pad=group_pad, num_kv_heads=hkv, page_size=page_size,
-        pages_per_block=pages_per_block, spare_rows=interpret)
-    spare = block_q * group_pad if interpret else 0
+        pages_per_block=tun.pages_per_block, head_dim=d, num_splits=tun.num_splits,
+        precision=tun.precision, spare_rows=tun.interpret)
+    rows = t * hq + (tun.block_q * group_pad if tun.interpret else 0)
+    flat = (num_layers, num_pages * page_size * hkv, d)  # a bitcast: the cache is not copied
     out, lse = pl.pallas_call(
         kernel,
-        grid=(hkv, work.shape[0]),
-        out_shape=(jax.ShapeDtypeStruct((t * hq + spare, d), q.dtype),
-                   jax.ShapeDtypeStruct((t * hq + spare,), jnp.float32)),
-        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        interpret=interpret,
-        name=f"ragged_paged_attention_{block_q=}_{pages_per_block=}",
-    )(work, page_indices, q.reshape(t * hq, d), k_pages.reshape(-1, d), v_pages.reshape(-1, d))
-    return out[:t * hq].reshape(t, hq, d), lse[:t * hq].reshape(t, hq)
+        grid=(hkv, work.shape[0], tun.num_splits),
+        out_shape=(jax.ShapeDtypeStruct((tun.num_splits, rows, d_pad),
+                                        q.dtype if tun.num_splits == 1 else jnp.float32),
+                   jax.ShapeDtypeStruct((tun.num_splits, rows), jnp.float32)),
+        compiler_params=pltriton.CompilerParams(num_warps=tun.num_warps,
+                                                num_stages=tun.num_stages),
+        interpret=tun.interpret,
+        name=f"ragged_paged_attention_bq{tun.block_q}_ppb{tun.pages_per_block}"
+             f"_split{tun.num_splits}",
+    )(work, page_indices, jnp.reshape(layer, (1,)).astype(jnp.int32),
+      jnp.pad(q.reshape(t * hq, d), ((0, 0), (0, d_pad - d))), k_cache.reshape(flat),
+      v_cache.reshape(flat))
+    out, lse = _merge_splits(out[:, :t * hq], lse[:, :t * hq], q.dtype)
+    return out[:, :d].reshape(t, hq, d), lse.reshape(t, hq)
 
 
-def ragged_paged_attention_unjitted(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens,
-                                    num_seqs, *, block_q, **tunables):
-    """Builds the work list and calls the kernel; shapes as in the module docstring.
-    Returns (out [T, Hq, D], lse [T, Hq])."""
-    t = q.shape[0]
+def _num_items(num_tokens: int, num_seqs: int, block_q: int) -> int:
+    """A static bound on the query blocks of `num_seqs` sequences (+ the padding tail)."""
+    return min(num_tokens, (num_tokens + (num_seqs + 1) * (block_q - 1)) // block_q)
+
+
+def plan_work(kv_lens, page_indices, cu_q_lens, num_seqs, num_tokens: int, page_size: int, *,
+              block_q: int, cascade=None, num_multi_query_seqs: int = 0) -> KernelPlan:
+    """The work lists of one step (shapes as in `ragged_paged_attention_pallas`): run once per
+    step, outside the layer loop, and pass the result to every layer as `plan`."""
     s, pps = page_indices.shape
-    num_items = min(t, (t + (s + 1) * (block_q - 1)) // block_q)
-    work = _work_list(kv_lens, cu_q_lens, num_seqs, t, block_q, num_items,
-                      pps * k_pages.shape[1])
-    return _launch(work, page_indices, q, k_pages, v_pages, block_q=block_q, **tunables)
+    if cascade is not None:
+        sa = num_multi_query_seqs
+        kv_lens = jnp.concatenate([kv_lens[:sa], cascade.rest_lens])
+        pps = max(pps, cascade.rest_pages.shape[1])
+    work = _work_list(kv_lens, cu_q_lens, num_seqs, num_tokens, block_q,
+                      _num_items(num_tokens, s, block_q), pps * page_size)
+    tile_work = None if cascade is None else _tile_work(
+        cascade.tile_lens, cascade.tile_seqs.shape[1], block_q)
+    return KernelPlan(work, block_q, tile_work)
 
 
 def _tile_work(tile_lens, rows: int, block_q: int):
@@ -168,24 +245,22 @@ def _tile_work(tile_lens, rows: int, block_q: int):
     return jnp.stack(work, axis=1).astype(jnp.int32)
 
 
-def cascade_attention_unjitted(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
-                               cascade, num_multi_query_seqs, *, block_q, **tunables):
+def _cascade(q, k_cache, v_cache, layer, page_indices, cu_q_lens, num_seqs, cascade,
+             plan: KernelPlan, num_multi_query_seqs: int, tun: Tunables):
     """Two launches: every sequence over its own pages (the decode group's rest pages), then
     each tile's decode queries over its shared pages; the decode rows merged by log-sum-exp."""
     t = q.shape[0]
     sa = num_multi_query_seqs
-    sd = kv_lens.shape[0] - sa
+    sd = page_indices.shape[0] - sa
     width = max(page_indices.shape[1], cascade.rest_pages.shape[1])
     widen = lambda a: jnp.pad(a, ((0, 0), (0, width - a.shape[1])))  # noqa: E731
     tables = jnp.concatenate([widen(page_indices[:sa]), widen(cascade.rest_pages)])
-    lens = jnp.concatenate([kv_lens[:sa], cascade.rest_lens])
-    out, lse = ragged_paged_attention_unjitted(q, k_pages, v_pages, lens, tables, cu_q_lens,
-                                               num_seqs, block_q=block_q, **tunables)
+    out, lse = _launch(plan.work, tables, layer, q, k_cache, v_cache, tun)
     last = jnp.clip(cu_q_lens[sa + 1:] - 1, 0, t - 1)  # [Sd] each decode sequence's row
-    g, rows = cascade.tile_seqs.shape
     tile_tok = last[jnp.clip(cascade.tile_seqs, 0, sd - 1)].reshape(-1)  # [G * M]
-    out_t, lse_t = _launch(_tile_work(cascade.tile_lens, rows, block_q), cascade.tile_pages,
-                           q[tile_tok], k_pages, v_pages, block_q=block_q, **tunables)
+    tile_tun = dataclasses.replace(tun, num_splits=1)
+    out_t, lse_t = _launch(plan.tile_work, cascade.tile_pages, layer, q[tile_tok], k_cache,
+                           v_cache, tile_tun)
     dest = jnp.where(cascade.tile_seqs >= 0, cascade.tile_seqs, sd).reshape(-1)
     out_s = jnp.zeros((sd,) + q.shape[1:], jnp.float32).at[dest].set(out_t, mode="drop")
     lse_s = jnp.full((sd, q.shape[1]), _MASKED, jnp.float32).at[dest].set(lse_t, mode="drop")
@@ -194,34 +269,62 @@ def cascade_attention_unjitted(q, k_pages, v_pages, kv_lens, page_indices, cu_q_
     return out.at[rows_out].set(merged.astype(out.dtype), mode="drop")
 
 
+def default_block_q(num_heads: int, num_kv_heads: int, decode_only: bool) -> int:
+    """Query tokens per program: 64 tile rows of (token, head) where chunks run; 16 rows (the
+    smallest Triton dot) in a decode-only step, whose items hold one token each."""
+    return max(1, (16 if decode_only else 64) // pl.next_power_of_2(num_heads // num_kv_heads))
+
+
+def _precision() -> lax.Precision:
+    """HIGHEST (IEEE fp32 dots) when jax's default matmul precision asks for it, else DEFAULT:
+    tensor cores, which run float32 inputs as TF32 on a GPU."""
+    asked = jax.config.jax_default_matmul_precision
+    return lax.Precision.HIGHEST if asked in ("highest", "float32") else lax.Precision.DEFAULT
+
+
 @functools.partial(jax.jit, static_argnames=("sm_scale", "block_q", "pages_per_block",
-                                             "num_warps", "num_stages", "interpret",
-                                             "num_multi_query_seqs"))
+                                             "num_splits", "num_warps", "num_stages",
+                                             "interpret", "num_multi_query_seqs"))
 def ragged_paged_attention_pallas(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens,
-                                  num_seqs, *, sm_scale=None, block_q=None, pages_per_block=None,
-                                  num_warps=4, num_stages=2, interpret=False, cascade=None,
-                                  num_multi_query_seqs=0):
+                                  num_seqs, *, layer=None, plan: KernelPlan | None = None,
+                                  sm_scale=None, block_q=None, pages_per_block=None,
+                                  num_splits=None, num_warps=4, num_stages=2, interpret=False,
+                                  cascade=None, num_multi_query_seqs=0):
     """Pallas ragged paged attention; same arguments and result as `ragged_paged_attention`.
 
-    q [T, Hq, D]; k_pages, v_pages [P, page_size, Hkv, D]; kv_lens [S]; page_indices [S, pps];
-    cu_q_lens [S+1]; num_seqs int32 scalar -> [T, Hq, D]. Tunables: `block_q` query tokens per
-    program (default: 64 tile rows of (token, head)), `pages_per_block` pages per KV step
-    (default: 64 tokens), Triton `num_warps` and `num_stages`. With `cascade` (a
-    `cascade.CascadeMeta` for the sequences after the first `num_multi_query_seqs`), shared
-    prefixes are read once per tile by a second launch.
+    q [T, Hq, D] (any D: padded to a power of two inside); k_pages, v_pages [P, page_size, Hkv,
+    D], or with `layer` (an int32 scalar) the whole stacked cache [L, P, page_size, Hkv, D],
+    read in place; kv_lens [S]; page_indices [S, pps]; cu_q_lens [S+1]; num_seqs int32 scalar
+    -> [T, Hq, D]. `plan` (`plan_work`, same block_q) saves recomputing the work list per
+    layer. Tunables: `block_q` query tokens per program (default `default_block_q`),
+    `pages_per_block` pages per KV step (default: 64 tokens), `num_splits` over the KV axis
+    (default `kv_splits` in a decode-only call, else 1), Triton `num_warps` and `num_stages`.
+    With `cascade` (a `cascade.CascadeMeta` for the sequences after the first
+    `num_multi_query_seqs`), shared prefixes are read once per tile by a second launch.
     """
     t, hq, d = q.shape
-    hkv, page_size = k_pages.shape[2], k_pages.shape[1]
+    if layer is None:
+        k_pages, v_pages, layer = k_pages[None], v_pages[None], 0
+    hkv, page_size = k_pages.shape[3], k_pages.shape[2]
     assert hq % hkv == 0, f"{hq=} is not a multiple of {hkv=}"
     assert k_pages.shape == v_pages.shape, f"{k_pages.shape=} != {v_pages.shape=}"
-    sm_scale = 1.0 / float(np.sqrt(d)) if sm_scale is None else sm_scale
-    group_pad = pl.next_power_of_2(hq // hkv)
-    block_q = max(1, 64 // group_pad) if block_q is None else block_q
-    pages_per_block = max(1, 64 // page_size) if pages_per_block is None else pages_per_block
-    tunables = dict(sm_scale=sm_scale, block_q=block_q, pages_per_block=pages_per_block,
-                    num_warps=num_warps, num_stages=num_stages, interpret=interpret)
+    decode_only = num_multi_query_seqs == 0
+    if block_q is None:
+        block_q = default_block_q(hq, hkv, decode_only) if plan is None else plan.block_q
+    assert plan is None or plan.block_q == block_q, f"{plan.block_q=} != {block_q=}"
+    if num_splits is None:
+        num_splits = kv_splits(_num_items(t, kv_lens.shape[0], block_q), hkv) if (
+            decode_only and cascade is None) else 1
+    tun = Tunables(sm_scale=1.0 / float(np.sqrt(d)) if sm_scale is None else sm_scale,
+                   block_q=block_q, num_splits=num_splits,
+                   pages_per_block=max(1, 64 // page_size) if pages_per_block is None
+                   else pages_per_block, num_warps=num_warps, num_stages=num_stages,
+                   precision=_precision(), interpret=interpret)
+    if plan is None:
+        plan = plan_work(kv_lens, page_indices, cu_q_lens, num_seqs, t, page_size,
+                         block_q=block_q, cascade=cascade,
+                         num_multi_query_seqs=num_multi_query_seqs)
     if cascade is not None:
-        return cascade_attention_unjitted(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens,
-                                          num_seqs, cascade, num_multi_query_seqs, **tunables)
-    return ragged_paged_attention_unjitted(q, k_pages, v_pages, kv_lens, page_indices,
-                                           cu_q_lens, num_seqs, **tunables)[0]
+        return _cascade(q, k_pages, v_pages, layer, page_indices, cu_q_lens, num_seqs, cascade,
+                        plan, num_multi_query_seqs, tun)
+    return _launch(plan.work, page_indices, layer, q, k_pages, v_pages, tun)[0]

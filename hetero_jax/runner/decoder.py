@@ -16,6 +16,7 @@ pooler slots come from the scheduler inside the items.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 import warnings
@@ -30,6 +31,7 @@ from hetero_jax.models import llama
 from hetero_jax.models.config import ModelConfig
 from hetero_jax.models.layers import for_layer_loop, is_unrolled
 from hetero_jax.ops import ragged_paged_attention
+from hetero_jax.ops.pallas_attention import default_block_q, plan_work
 from hetero_jax.runner import pooler
 from hetero_jax.runner.batch import StepBatch, batch_spec, is_cascade, pack_batch
 from hetero_jax.runner.executables import ExecutableCache, WarmManifest, enable_compile_cache
@@ -61,8 +63,16 @@ def step(params, state: DeviceState, batch: StepBatch, *, model_cfg: ModelConfig
                                 chunk_pages=chunk_pages, interpret=interpret)
     attn_fn = attn_fn if wrap_attention is None else wrap_attention(attn_fn)
     model = llama.LlamaModel(model_cfg, attn_fn, unrolled=is_unrolled(params))
+    meta = batch.meta
+    if impl == "pallas":  # the kernel's work list, once per step rather than once per layer
+        meta = meta.replace(plan=plan_work(
+            meta.kv_lens, meta.page_indices, meta.cu_q_lens, meta.num_seqs,
+            batch.tokens.shape[0], page_size, cascade=meta.cascade,
+            block_q=default_block_q(model_cfg.num_heads, model_cfg.num_kv_heads,
+                                    decode_only=layout.num_chunk_seqs == 0),
+            num_multi_query_seqs=layout.num_chunk_seqs))
     hidden, kv = model.apply({"params": params}, batch.tokens, batch.positions, batch.slots,
-                             state.kv, batch.meta, batch.adapter_ids)  # [T, d]
+                             state.kv, meta, batch.adapter_ids)  # [T, d]
     logits = model.apply({"params": params}, hidden[batch.sample_rows],
                          method=llama.LlamaModel.logits)  # [S, V]
     rows = sample(logits, batch.knobs, layout.num_logprobs)  # [S, 2 + 2K]
@@ -74,6 +84,34 @@ def step(params, state: DeviceState, batch: StepBatch, *, model_cfg: ModelConfig
     if side is not None:
         side = pooler.write_sidecar(side, hidden, batch.positions, batch.slots, page_size)
     return DeviceState(kv, pool, side), layout.pack(rows, vectors)
+
+
+def zero_state(model_cfg: ModelConfig, cfg: EngineConfig) -> DeviceState:
+    """A fresh KV cache and pooler state of a resolved `cfg` (`jax.eval_shape` of it gives the
+    shapes without allocating)."""
+    return DeviceState(
+        kv=llama.KVCache.zeros(model_cfg, cfg.num_pages, cfg.page_size, jnp.dtype(cfg.dtype)),
+        pool=pooler.PoolerState.zeros(cfg.max_num_seqs, model_cfg.hidden_size,
+                                      cfg.max_model_len if cfg.buffered_head else 1),
+        sidecar=pooler.PageSidecar.zeros(cfg.num_pages, model_cfg.hidden_size)
+        if cfg.prefix_caching else None)
+
+
+def layout_of(model_cfg: ModelConfig, cfg: EngineConfig, key: tuple) -> PackedLayout:
+    """The packed device->host layout of variant `key`."""
+    _, s, sc, _, _ = key
+    return PackedLayout(s, cfg.max_logprobs, sc, model_cfg.hidden_size)
+
+
+def bind_step(model_cfg: ModelConfig, cfg: EngineConfig, key: tuple, *, impl: str,
+              interpret: bool, **kw):
+    """`step` with the static arguments of variant `key` of a resolved `cfg` bound (`kw`: more
+    of them, e.g. `wrap_attention`)."""
+    t, _, sc, _, second = key
+    return functools.partial(
+        step, model_cfg=model_cfg, layout=layout_of(model_cfg, cfg, key),
+        max_q_len=min(cfg.chunk_size, t), chunk_pages=second if sc else None, impl=impl,
+        interpret=interpret, page_size=cfg.page_size, head=cfg.buffered_head, **kw)
 
 
 def _written_to_disk() -> bool:
@@ -88,6 +126,7 @@ class DecoderRunner:
 
     def __init__(self, model_cfg: ModelConfig, cfg: EngineConfig, params):
         backend = jax.default_backend()
+        cfg = dataclasses.replace(cfg, dtype=cfg.dtype_on(backend))
         if backend == "cpu" and jnp.dtype(cfg.dtype).itemsize == 2:
             warnings.warn(f"dtype={cfg.dtype!r} on the CPU backend is slow: XLA:CPU runs 16-bit "
                           "scatters, gathers and element-wise ops through float32 copies (the "
@@ -105,13 +144,7 @@ class DecoderRunner:
 
     def zero_state(self) -> DeviceState:
         """A fresh KV cache and pooler state (the sharded runner builds it on its mesh)."""
-        cfg, model_cfg = self.cfg, self.model_cfg
-        return DeviceState(
-            kv=llama.KVCache.zeros(model_cfg, cfg.num_pages, cfg.page_size, jnp.dtype(cfg.dtype)),
-            pool=pooler.PoolerState.zeros(cfg.max_num_seqs, model_cfg.hidden_size,
-                                          cfg.max_model_len if cfg.buffered_head else 1),
-            sidecar=pooler.PageSidecar.zeros(cfg.num_pages, model_cfg.hidden_size)
-            if cfg.prefix_caching else None)
+        return zero_state(self.model_cfg, self.cfg)
 
     @property
     def compiles(self) -> int:
@@ -151,17 +184,12 @@ class DecoderRunner:
         return self.executable.seconds
 
     def layout(self, key: tuple) -> PackedLayout:
-        _, s, sc, _, _ = key
-        return PackedLayout(s, self.cfg.max_logprobs, sc, self.model_cfg.hidden_size)
+        return layout_of(self.model_cfg, self.cfg, key)
 
     def step_fn(self, key: tuple, **kw):
         """`step` with the static arguments of variant `key` bound (`kw`: more of them)."""
-        t, _, sc, _, second = key
-        return functools.partial(
-            step, model_cfg=self.model_cfg, layout=self.layout(key),
-            max_q_len=min(self.cfg.chunk_size, t), chunk_pages=second if sc else None,
-            impl=self.impl, interpret=self.interpret, page_size=self.cfg.page_size,
-            head=self.cfg.buffered_head, **kw)
+        return bind_step(self.model_cfg, self.cfg, key, **dict(
+            dict(impl=self.impl, interpret=self.interpret), **kw))
 
     def _compile(self, key: tuple):
         fn = jax.jit(self.step_fn(key), donate_argnums=(1,))

@@ -163,19 +163,25 @@ def state_shardings(mesh: Mesh, state: DeviceState) -> DeviceState:
 
 def shard_attention(attn_fn, mesh: Mesh):
     """`attn_fn` (a ragged paged attention with its static hints bound, as `step` makes it)
-    run once per shard of `mesh`: q [T, Hq, D] split by query heads, k/v pages
-    [P, page_size, Hkv, D] by KV head, kv_lens [S], page_indices [S, pps], cu_q_lens [S+1],
-    num_seqs [] and the cascade plan replicated -> [T, Hq, D] split by query heads."""
-    heads, pages = P(None, AXIS, None), P(None, None, AXIS, None)
+    run once per shard of `mesh`: q [T, Hq, D] split by query heads, the stacked k/v cache
+    [L, P, page_size, Hkv, D] (or one layer's pages without `layer`) by KV head, kv_lens [S],
+    page_indices [S, pps], cu_q_lens [S+1], num_seqs [], the layer index, the cascade plan and
+    the kernel's work lists replicated -> [T, Hq, D] split by query heads."""
+    heads = P(None, AXIS, None)
 
-    def sharded(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, cascade=None):
-        def per_shard(q, k, v, meta, plan):  # q [T, Hq/N, D], k/v [P, ps, Hkv/N, D]
-            return attn_fn(q, k, v, *meta, cascade=plan)
+    def sharded(q, k_cache, v_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *, layer=None,
+                cascade=None, plan=None):
+        cache = P(*([None] * (k_cache.ndim - 2)), AXIS, None)
+        layer = None if layer is None else jnp.asarray(layer, jnp.int32)
 
-        per_device = _shard_map(per_shard, mesh=mesh, in_specs=(heads, pages, pages, P(), P()),
+        def per_shard(q, k, v, meta, layer, cascade, plan):  # k/v [..., Hkv/N, D]
+            return attn_fn(q, k, v, *meta, layer=layer, cascade=cascade, plan=plan)
+
+        per_device = _shard_map(per_shard, mesh=mesh,
+                                in_specs=(heads, cache, cache, P(), P(), P(), P()),
                                 out_specs=heads, **_UNCHECKED)
-        return per_device(q, k_pages, v_pages, (kv_lens, page_indices, cu_q_lens, num_seqs),
-                          cascade)
+        return per_device(q, k_cache, v_cache, (kv_lens, page_indices, cu_q_lens, num_seqs),
+                          layer, cascade, plan)
 
     return sharded
 

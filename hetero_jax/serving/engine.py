@@ -11,6 +11,7 @@ same steps (`run`); `add`/`step`/`abort`/`output` expose the loop to `AsyncEngin
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import itertools
@@ -55,7 +56,8 @@ class Engine(BatchAPI):
         `config.tensor_parallel=N > 1` the decoder is split over the first N devices
         (`runner.sharding`), checked against the model before any params are placed."""
         _check_tensor_parallel(model_cfg, config)
-        dtype = jnp.dtype((config or EngineConfig()).dtype)
+        dtype = _dtype(config)
+        config = dataclasses.replace(config or EngineConfig(), dtype=dtype.name)
         kv_bytes = 2 * model_cfg.num_layers * model_cfg.num_kv_heads * model_cfg.head_dim * dtype.itemsize
         # Sliding-window attention is not implemented: within the window it equals full attention.
         max_len = min(model_cfg.max_position_embeddings, model_cfg.sliding_window or 2**31)
@@ -104,7 +106,7 @@ class Engine(BatchAPI):
         """An embedded model (random weights from `seed`); `embed_model` as in from_pretrained."""
         cfg = preset_config(name)
         _check_tensor_parallel(cfg, config)
-        dtype = jnp.dtype((config or EngineConfig()).dtype)
+        dtype = _dtype(config)
         encoder = SeparateEncoder.from_pretrained(embed_model, dtype) if embed_model else None
         on_host = (config or EngineConfig()).tensor_parallel > 1  # the runner places shards
         return cls(cfg, llama.init_params(cfg, seed, on_host=on_host), ByteTokenizer(), config,
@@ -121,7 +123,7 @@ class Engine(BatchAPI):
         directory) whose adapter embedding tokens use on the shared backbone, in the same pass
         as generation tokens on the base weights; the first one is the default.
         """
-        dtype = jnp.dtype((config or EngineConfig()).dtype)
+        dtype = _dtype(config)
         model_cfg = read_model_config(path)
         _check_tensor_parallel(model_cfg, config)  # before the weights are read
         params = load_params(path, model_cfg, dtype,
@@ -144,8 +146,8 @@ class Engine(BatchAPI):
         """An engine checkpoint (`save`). With tensor_parallel=N > 1 orbax restores each param
         straight into its shards on the N devices (`runner.sharding.restore_targets`)."""
         c = config or EngineConfig()
-        targets = functools.partial(restore_targets, n=c.tensor_parallel, dtype=jnp.dtype(
-            c.dtype)) if c.tensor_parallel > 1 else None
+        targets = functools.partial(restore_targets, n=c.tensor_parallel, dtype=_dtype(
+            c)) if c.tensor_parallel > 1 else None
         model_cfg, params, tokenizer = checkpoint.load(path, targets)
         return cls(model_cfg, params, tokenizer, config)
 
@@ -318,6 +320,12 @@ def _check_tensor_parallel(model_cfg: ModelConfig, config: EngineConfig | None) 
     n = (config or EngineConfig()).tensor_parallel
     if n > 1:
         check_tensor_parallel(model_cfg, n, len(jax.devices()))
+
+
+def _dtype(config: EngineConfig | None) -> jnp.dtype:
+    """The weights' and KV cache's dtype of `config` on this process's backend ("auto": bf16
+    on GPUs, fp32 elsewhere)."""
+    return jnp.dtype((config or EngineConfig()).dtype_on(jax.default_backend()))
 
 
 def _cache_identity(model_cfg: ModelConfig, config: EngineConfig) -> bytes:

@@ -1,0 +1,68 @@
+"""Every GPU step lowered for `cuda` on this CPU host (no GPU, no CUDA plugin): the Triton
+kernel at several head layouts and dtypes, and every step variant of a small engine, with the
+launches they should make and the KV cache passed whole (never a layer sliced out, a copy)."""
+import jax
+import numpy as np
+import pytest
+
+from hetero_jax.config import EngineConfig
+from hetero_jax.models.config import ModelConfig
+from hetero_jax.models.presets import preset_config
+from hetero_jax.ops.pallas_attention import ragged_paged_attention_pallas
+from hetero_jax.runner import gpu_lowering as gl
+from hetero_jax.runner.batch import is_cascade
+from tests.batches import random_batch
+
+pytestmark = pytest.mark.skipif(jax.default_backend() == "gpu",
+                                reason="on a GPU the kernels run: tests/test_pallas_attention.py")
+
+SMALL_ENGINE = EngineConfig(max_model_len=256, token_budget=64, chunk_size=32, max_num_seqs=8,
+                            max_chunk_seqs=2, token_buckets=(16, 64), seq_buckets=(8,))
+
+
+def spec(b):
+    return {k: jax.ShapeDtypeStruct(np.shape(v), np.asarray(v).dtype) for k, v in b.items()}
+
+
+@pytest.mark.parametrize("hq,hkv,d", [(24, 4, 128), (8, 8, 64), (32, 8, 128), (12, 4, 80),
+                                      (4, 1, 48)])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_kernel_lowers_to_one_triton_call(hq, hkv, d, dtype):
+    b = random_batch(np.random.default_rng(0), [1, 9, 1], [40, 0, 7], hq, hkv, d, page_size=16)
+    b = {k: (v.astype(dtype) if k in ("q", "k_pages", "v_pages") else v) for k, v in b.items()}
+    text = gl.export_for_cuda(jax.jit(ragged_paged_attention_pallas), **spec(b))
+    assert gl.triton_calls(text) == 1
+
+
+def test_every_step_variant_lowers_with_its_launches_and_no_cache_copy():
+    """Each variant of a tiny engine on the GPU path (Pallas, scanned layers, bf16): one Triton
+    launch per layer (two in a cascade step), and the stacked cache never sliced."""
+    model_cfg = preset_config("tiny")
+    cfg = gl.gpu_config(model_cfg, SMALL_ENGINE)
+    assert cfg.dtype == "bfloat16" and cfg.layer_loop == "scan"
+    variants = cfg.variants()
+    assert len(variants) >= 8 and any(map(is_cascade, variants))
+    for key in variants:
+        args = gl.step_args(model_cfg, cfg, key)
+        text = gl.export_for_cuda(gl.step_for_gpu(model_cfg, cfg, key), *args)
+        assert gl.triton_calls(text) == (2 if is_cascade(key) else 1), key
+        assert gl.cache_slices(text, args[1].kv.k) == 0, key
+
+
+def test_cache_slices_sees_a_sliced_layer():
+    """The counter behind the no-copy assert finds the slice the old layer loop made."""
+    cache = jax.ShapeDtypeStruct((3, 5, 4, 2, 16), np.float32)
+    text = jax.jit(lambda c, i: c[i] * 2).lower(cache, np.int32(1)).as_text()
+    assert gl.cache_slices(text, cache) == 1
+
+
+def test_odd_head_size_and_gqa_engine_lowers():
+    """A model with head_dim 80 and 6 query heads per KV head lowers on the GPU path."""
+    model_cfg = ModelConfig(vocab_size=512, hidden_size=480, intermediate_size=512,
+                            num_layers=2, num_heads=6, num_kv_heads=1, head_dim=80,
+                            max_position_embeddings=512, bos_token_id=1, eos_token_ids=(2,))
+    cfg = gl.gpu_config(model_cfg, SMALL_ENGINE)
+    key = cfg.variants()[-1]
+    text = gl.export_for_cuda(gl.step_for_gpu(model_cfg, cfg, key),
+                              *gl.step_args(model_cfg, cfg, key))
+    assert gl.triton_calls(text) == (2 if is_cascade(key) else 1)
