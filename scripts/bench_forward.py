@@ -38,10 +38,10 @@ def median_time(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def measure_peaks(repeats: int) -> tuple[float, float]:
-    """(fp32 matmul FLOP/s, memory read bytes/s)."""
-    n = 2048
-    a = jnp.ones((n, n), jnp.float32)
+def measure_peaks(repeats: int, dtype=jnp.float32) -> tuple[float, float]:
+    """(matmul FLOP/s in `dtype`, memory read bytes/s)."""
+    n = 2048 if jax.default_backend() == "cpu" else 8192
+    a = jnp.ones((n, n), dtype)
     mm = jax.jit(lambda x: x @ x)
     flops = 2 * n**3 / median_time(lambda: mm(a).block_until_ready(), repeats)
     big = jnp.ones((64 * 2**20,), jnp.float32)  # 256 MB, far past the caches
@@ -50,15 +50,16 @@ def measure_peaks(repeats: int) -> tuple[float, float]:
     return flops, bw
 
 
-def step_cost(cfg, num_tokens: int, context: list) -> tuple[float, float]:
-    """(FLOPs, bytes) of one fp32 step: layer matmuls on every token, attention over each
-    sequence's context, the LM head on one row per sequence; weights and KV read once."""
+def step_cost(cfg, num_tokens: int, context: list, itemsize: int = 4) -> tuple[float, float]:
+    """(FLOPs, bytes) of one step with `itemsize`-byte weights and KV: layer matmuls on every
+    token, attention over each sequence's context, the LM head on one row per sequence;
+    weights and KV read once."""
     head = cfg.hidden_size * cfg.vocab_size
     layer_params = cfg.num_params - head * (1 if cfg.tie_word_embeddings else 2)
     attn_flops = 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * sum(context)
     flops = 2 * layer_params * num_tokens + attn_flops + 2 * head * len(context)
-    kv_row = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4
-    return flops, 4 * (layer_params + head) + kv_row * (sum(context) + num_tokens)
+    kv_row = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * itemsize
+    return flops, itemsize * (layer_params + head) + kv_row * (sum(context) + num_tokens)
 
 
 def fake_items(engine, lengths: list, kind: str, first_id: int = 10_000) -> list:
@@ -76,13 +77,15 @@ def fake_items(engine, lengths: list, kind: str, first_id: int = 10_000) -> list
     return items
 
 
-def mixed_vs_parts(preset: str, spec: str, context: int, repeats: int) -> dict:
+def mixed_vs_parts(preset: str, spec: str, context: int, repeats: int,
+                   dtype: str = "auto") -> dict:
     """The mixed step of `spec` (CHUNKS:LEN:DECODES) and its embedding-only and decode-only
     parts on the default buckets, timed round-robin; medians in seconds."""
     chunks, length, decodes = (int(x) for x in spec.split(":"))
     engine = Engine.from_preset(preset, config=EngineConfig(
         token_budget=max(256, chunks * length + decodes), chunk_size=max(64, length),
-        max_chunk_seqs=max(4, chunks), max_num_seqs=max(32, chunks + decodes), max_model_len=2048))
+        max_chunk_seqs=max(4, chunks), max_num_seqs=max(32, chunks + decodes),
+        max_model_len=max(2048, context + 16), dtype=dtype))
     embeds = fake_items(engine, [(0, length)] * chunks, EMBED)
     decs = fake_items(engine, [(context, 1)] * decodes, DECODE, first_id=20_000)
     cases = {"mixed": embeds + decs, "embed-only": embeds, "decode-only": decs}
@@ -106,18 +109,24 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--mixed", default="4:60:16", help="CHUNKS:LEN:DECODES of the mixed step "
                     "timed next to its parts ('none': skip)")
+    ap.add_argument("--dtype", default="auto", help="EngineConfig.dtype (default: %(default)s: "
+                    "bfloat16 on GPUs, float32 on CPUs)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
+    max_len = max(1024, args.context + 16)
     cfg = EngineConfig(token_budget=max(max(batches), args.chunk), chunk_size=args.chunk,
-                       max_num_seqs=max(batches), max_chunk_seqs=1, max_model_len=1024,
+                       max_num_seqs=max(batches), max_chunk_seqs=1, max_model_len=max_len,
                        token_buckets=tuple(sorted(set(batches + [args.chunk]))),
-                       seq_buckets=tuple(sorted(set(batches))), page_buckets=(16, 64),
-                       chunk_seq_buckets=(0, 1))
+                       seq_buckets=tuple(sorted(set(batches))),
+                       page_buckets=tuple(sorted({16, 64, -(-max_len // 16)})),
+                       chunk_seq_buckets=(0, 1), dtype=args.dtype)
     engine = Engine.from_preset(args.preset, config=cfg)
-    flops_peak, bw = measure_peaks(args.repeats)
-    print(f"{args.preset}: {engine.model_cfg.num_params / 1e6:.1f}M params; measured peaks: "
-          f"{flops_peak / 1e9:.0f} GFLOP/s fp32 matmul, {bw / 1e9:.1f} GB/s memory read")
+    dtype = jnp.dtype(engine.config.dtype)
+    flops_peak, bw = measure_peaks(args.repeats, dtype)
+    print(f"{args.preset}: {engine.model_cfg.num_params / 1e6:.1f}M params in {dtype}; measured "
+          f"peaks: {flops_peak / 1e9:.0f} GFLOP/s {dtype} matmul, {bw / 1e9:.1f} GB/s memory "
+          "read")
     cases = [(f"decode x{b}", [(args.context, 1)] * b, DECODE) for b in batches]
     cases.append((f"chunk {args.chunk}", [(0, args.chunk)], PREFILL))
     rows = []
@@ -127,7 +136,7 @@ def main(argv=None):
         num_tokens = sum(it.num_tokens for it in items)
         t = median_time(lambda: engine.runner.execute(items), args.repeats)
         flops, bytes_ = step_cost(engine.model_cfg, num_tokens,
-                                  [it.start + it.num_tokens for it in items])
+                                  [it.start + it.num_tokens for it in items], dtype.itemsize)
         floor = max(flops / flops_peak, bytes_ / bw)
         bound = "compute" if flops / flops_peak > bytes_ / bw else "memory"
         rows.append(dict(step=name, tokens=num_tokens, time_s=t, floor_s=floor, bound=bound,
@@ -138,7 +147,7 @@ def main(argv=None):
             engine.scheduler.pages.free(list(it.pages))
     mixed = None
     if args.mixed != "none":
-        mixed = mixed_vs_parts(args.preset, args.mixed, args.context, args.repeats)
+        mixed = mixed_vs_parts(args.preset, args.mixed, args.context, args.repeats, args.dtype)
         print(f"mixed step {args.mixed} (chunks:len:decodes at {args.context} cached): mixed "
               f"{mixed['mixed'] * 1e3:.1f} ms, embedding-only {mixed['embed-only'] * 1e3:.1f} "
               f"ms, decode-only {mixed['decode-only'] * 1e3:.1f} ms; the mixed step costs "
@@ -146,7 +155,7 @@ def main(argv=None):
               " one (target <= 40%)")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(preset=args.preset, flops_peak=flops_peak, bandwidth=bw, rows=rows,
+            json.dump(dict(preset=args.preset, dtype=str(dtype), flops_peak=flops_peak, bandwidth=bw, rows=rows,
                            mixed=mixed), f, indent=1)
 
 

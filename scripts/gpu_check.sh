@@ -1,18 +1,43 @@
 #!/usr/bin/env bash
-# GPU check of the Pallas ragged paged attention (about 5 minutes on one GPU, 10 at most):
-#   1. tests/test_pallas_attention.py compiled through Triton (HETERO_JAX_PALLAS_INTERPRET=0);
-#   2. scripts/bench_attention.py: Pallas vs XLA vs jax.nn.dot_product_attention timings and
-#      decode KV bandwidth as a fraction of measured copy bandwidth; JSON to $OUT if set.
-#   3. scripts/bench_forward.py: engine steps of the small preset against their roofline.
-# Uses $PYTHON (default: python), which must see a GPU jax; run from anywhere.
+# One command on a fresh GPU machine (Python 3.12, jax 0.11.x with its CUDA plugin, no network;
+# or any machine with `pip install -e '.[cuda12]'`). About 6 minutes on one H200, 8 at most:
+#   1. pytest in ONE process (two would each preallocate the GPU's memory; preallocation is off
+#      too): the Pallas kernel compiled through Triton against the XLA path and the float64
+#      reference (decode, chunks, mixed, any head size, KV splits, the stacked cache), cascade
+#      attention, and the engine's decode, mixed and cascade steps with the kernel against XLA;
+#      with two GPUs also tensor parallelism.
+#   2. scripts/bench_attention.py: decode attention's share of HBM bandwidth, Pallas vs XLA.
+#   3. scripts/bench_forward.py on the `llama-8b-shape` preset in bfloat16: decode at 64 x 2,048
+#      cached tokens against its roofline, and the mixed step against its parts.
+#   4. hetero-jax bench: IBS against homogeneous at 9:1, 5:5 and 1:9 on the same preset.
+# Everything lands in one JSON, $OUT/gpu_check.json (OUT defaults to out/gpu_check).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY="${PYTHON:-python}"
+PY="${PYTHON:-$(command -v python3 || command -v python)}"
+OUT="${OUT:-out/gpu_check}"
+mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-"$PY" -c "import jax; assert jax.default_backend() == 'gpu', jax.devices(); print(jax.devices())"
-# --noconftest: these tests need no fixtures, so torch/transformers need not be installed.
-HETERO_JAX_PALLAS_INTERPRET=0 timeout 300 "$PY" -m pytest -q --noconftest -p no:cacheprovider \
-    tests/test_pallas_attention.py
-timeout 270 "$PY" scripts/bench_attention.py ${OUT:+--out "$OUT"}
-# One mixed engine step of the small preset (Pallas attention on a GPU) against its roofline.
-timeout 200 "$PY" scripts/bench_forward.py --preset small ${OUT:+--json "$OUT/bench_forward.json"}
+export XLA_PYTHON_CLIENT_PREALLOCATE=false HETERO_JAX_PALLAS_INTERPRET=0 PYTHONUNBUFFERED=1
+"$PY" -c "import jax; assert jax.default_backend() == 'gpu', jax.devices(); print(jax.__version__, jax.devices())"
+GPUS=$("$PY" -c "import jax; print(len(jax.devices()))")
+TP_TESTS=""
+if [ "$GPUS" -ge 2 ]; then TP_TESTS="tests/test_tensor_parallel.py"; fi
+# -p no:xdist -o addopts="": one process, slow tests included (the engine test is slow on CPUs).
+timeout 240 "$PY" -m pytest -q -p no:xdist -p no:cacheprovider -o addopts="" \
+    tests/test_pallas_attention.py tests/test_cascade.py \
+    "tests/test_generate.py::test_pallas_attention_engine_matches_xla" $TP_TESTS \
+    2>&1 | tee "$OUT/pytest.log"
+timeout 90 "$PY" scripts/bench_attention.py --out "$OUT"
+timeout 150 "$PY" scripts/bench_forward.py --preset llama-8b-shape --batches 1,16,64 \
+    --context 2048 --chunk 512 --repeats 5 --mixed 4:60:16 --json "$OUT/bench_forward.json"
+timeout 120 "$PY" -m hetero_jax.cli bench --preset llama-8b-shape --schedulers ibs,homogeneous \
+    --ratios 9:1,5:5,1:9 --repeats 1 --json "$OUT/bench.json"
+"$PY" - "$OUT" <<'EOF'
+import glob, json, os, sys
+out = sys.argv[1]
+merged = {os.path.splitext(os.path.basename(p))[0]: json.load(open(p))
+          for p in sorted(glob.glob(os.path.join(out, "*.json"))) if not p.endswith("gpu_check.json")}
+with open(os.path.join(out, "gpu_check.json"), "w") as f:
+    json.dump(merged, f, indent=1)
+print("wrote", os.path.join(out, "gpu_check.json"), "with", ", ".join(merged))
+EOF

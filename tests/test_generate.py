@@ -101,17 +101,26 @@ def test_preemption_recomputes_and_loses_nothing():
     assert [o.token_ids for o in outs] == [o.token_ids for o in alone]
 
 
-@pytest.mark.slow  # 12 s in interpret mode; the kernel alone: tests/test_pallas_attention.py
+@pytest.mark.slow  # ~45 s in interpret mode; the kernel alone: tests/test_pallas_attention.py
 def test_pallas_attention_engine_matches_xla():
-    """The mixed steps give the same tokens and log-probs with the Pallas kernel (interpret),
-    in the unrolled layer loop (a Python int layer) and in `scan` (a traced one, as on GPUs)."""
-    ps = [[256] + list(range(40, 40 + n)) for n in (3, 30, 11)]
+    """Decode, mixed and cascade steps give the same tokens and log-probs with the Pallas
+    kernel, in the unrolled layer loop (a Python int layer) and in `scan` (a traced one, as on
+    GPUs). On a CPU the kernel runs in interpret mode; scripts/gpu_check.sh runs this on a GPU
+    (float32 at the highest matmul precision, so TF32 does not blur the comparison)."""
+    shared = list(range(60, 100))  # 5 pages of 8 shared: decode steps run as cascade steps
+    ps = [[256] + list(range(40, 40 + n)) for n in (3, 30, 11)] + [
+        [256] + shared + [n] for n in (7, 8, 9)]
     sp = SamplingParams(max_tokens=6, temperature=0.0, logprobs=1)
-    xla, *pallas = [Engine.from_preset("tiny", config=dataclasses.replace(
-        CFG, attention_impl=impl, layer_loop=loop)).generate(ps, sp, use_tqdm=False)
-        for impl, loop in (("xla", "auto"), ("pallas", "unrolled"), ("pallas", "scan"))]
-    for run in pallas:
-        for x, p in zip(xla, run):
+    cfg = dataclasses.replace(CFG, dtype="float32", cascade_min_pages=1)
+    runs = []
+    with jax.default_matmul_precision("highest"):
+        for impl, loop in (("xla", "auto"), ("pallas", "unrolled"), ("pallas", "scan")):
+            engine = Engine.from_preset("tiny", config=dataclasses.replace(
+                cfg, attention_impl=impl, layer_loop=loop))
+            runs.append(engine.generate(ps, sp, use_tqdm=False))
+            assert engine.runner.cascade_steps > 0, (impl, loop)
+    for run in runs[1:]:
+        for x, p in zip(runs[0], run):
             assert x.token_ids == p.token_ids
             np.testing.assert_allclose([lp["logprob"] for lp in p.logprobs],
                                        [lp["logprob"] for lp in x.logprobs], atol=1e-5)

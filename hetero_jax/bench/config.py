@@ -15,6 +15,7 @@ import dataclasses
 import os
 
 from hetero_jax.bench.workloads import MixedWorkload, synthetic_iter_retgen
+from hetero_jax.models.presets import PRESETS
 from hetero_jax.sched.bandit import DEFAULT_ARMS, make_arms
 from hetero_jax.sched.batching import BATCHING
 from hetero_jax.sched.policies import COST_AWARE_IBS
@@ -73,7 +74,7 @@ def parse_arms(text: str) -> tuple:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hetero-jax bench", description="Every scheduler on the "
                                 "same closed-loop workload, side by side.")
-    p.add_argument("--preset", default="small", choices=["tiny", "small"],
+    p.add_argument("--preset", default="small", choices=list(PRESETS),
                    help="embedded model (random weights, no download)")
     p.add_argument("--model", metavar="PATH", help="local Hugging Face directory (overrides "
                    "--preset)")

@@ -3,6 +3,9 @@
 - `tiny`: 2.6M parameters, for tests.
 - `small`: 104.6M parameters (418 MB in fp32), so that decode is memory-bound on a CPU
   whose last-level cache is tens of MB.
+- `llama-8b-shape`: Llama-3-8B's shapes (32 query heads, 8 KV heads, head_dim 128, hidden
+  4096, MLP 14336, vocabulary 128,256) with 4 of its 32 layers (1.9B parameters), for GPU
+  benchmarks (`scripts/gpu_check.sh`): per layer it moves and computes what the 8B model does.
 """
 from __future__ import annotations
 
@@ -20,6 +23,11 @@ PRESETS = {
                          num_layers=12, num_heads=12, num_kv_heads=4, head_dim=64,
                          max_position_embeddings=4096, bos_token_id=ByteTokenizer.bos_token_id,
                          eos_token_ids=(ByteTokenizer.eos_token_id,)),
+    "llama-8b-shape": ModelConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                                  num_layers=4, num_heads=32, num_kv_heads=8, head_dim=128,
+                                  max_position_embeddings=8192, rope_theta=500000.0,
+                                  bos_token_id=ByteTokenizer.bos_token_id,
+                                  eos_token_ids=(ByteTokenizer.eos_token_id,)),
 }
 
 

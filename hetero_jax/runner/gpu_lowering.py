@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from hetero_jax.config import EngineConfig
 from hetero_jax.models import llama
 from hetero_jax.models.config import ModelConfig
+from hetero_jax.models.layers import split_layers
 from hetero_jax.runner.batch import batch_spec
 from hetero_jax.runner.decoder import bind_step, zero_state
 
@@ -30,21 +31,24 @@ H200_SMS = 132
 
 
 def gpu_config(model_cfg: ModelConfig, cfg: EngineConfig) -> EngineConfig:
-    """`cfg` as a GPU engine resolves it: the Pallas kernel, the scanned layer loop, dtype
-    "auto" as bfloat16, and every None filled from the model."""
-    cfg = dataclasses.replace(cfg, attention_impl="pallas", layer_loop="scan",
-                              dtype=cfg.dtype_on("gpu"))
+    """`cfg` as a GPU engine resolves it: the Pallas kernel, layer_loop "auto" as `scan`,
+    dtype "auto" as bfloat16, and every None filled from the model."""
+    cfg = dataclasses.replace(cfg, attention_impl="pallas", dtype=cfg.dtype_on("gpu"),
+                              layer_loop="scan" if cfg.layer_loop == "auto" else cfg.layer_loop)
     kv_bytes = 2 * model_cfg.num_layers * model_cfg.num_kv_heads * model_cfg.head_dim * \
         jnp.dtype(cfg.dtype).itemsize
     return cfg.resolve(model_cfg.max_position_embeddings, kv_bytes)
 
 
 def step_args(model_cfg: ModelConfig, cfg: EngineConfig, key: tuple) -> tuple:
-    """(params, state, batch) of variant `key` of a resolved `cfg` as shape structs: stacked
-    layer weights in `cfg.dtype`, the KV cache and pooler state, the step's batch."""
+    """(params, state, batch) of variant `key` of a resolved `cfg` as shape structs: layer
+    weights in `cfg.dtype` (stacked, or per layer for `layer_loop="unrolled"`), the KV cache
+    and pooler state, the step's batch."""
     dtype = jnp.dtype(cfg.dtype)
     params = jax.tree.map(lambda shape: jax.ShapeDtypeStruct(shape, dtype),
                           llama.param_shapes(model_cfg), is_leaf=lambda x: isinstance(x, tuple))
+    if cfg.layer_loop == "unrolled":
+        params = jax.eval_shape(split_layers, params)
     state = jax.eval_shape(lambda: zero_state(model_cfg, cfg))
     return params, state, batch_spec(cfg, *key)
 
