@@ -58,7 +58,7 @@ class EngineConfig:
     # turns on the cost-aware IBS: a mixed step runs as two when the model says two cost less.
     cost_model: object = None
     attention_impl: str = "auto"  # auto | xla | pallas
-    layer_loop: str = "auto"  # auto (unrolled on CPU, scan elsewhere) | scan | unrolled
+    layer_loop: str = "auto"  # auto (unrolled: scan copies each layer's weights) | scan | unrolled
     # Devices the decoder is split over (Megatron layout on a one-axis mesh, runner/sharding.py;
     # the XLA attention): 1 runs on the default device. The model must divide by it.
     tensor_parallel: int = 1

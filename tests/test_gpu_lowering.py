@@ -1,6 +1,8 @@
 """Every GPU step lowered for `cuda` on this CPU host (no GPU, no CUDA plugin): the Triton
 kernel at several head layouts and dtypes, and every step variant of a small engine, with the
 launches they should make and the KV cache passed whole (never a layer sliced out, a copy)."""
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
@@ -35,11 +37,11 @@ def test_kernel_lowers_to_one_triton_call(hq, hkv, d, dtype):
 
 
 def test_every_step_variant_lowers_with_its_launches_and_no_cache_copy():
-    """Each variant of a tiny engine on the GPU path (Pallas, scanned layers, bf16): one Triton
+    """Each variant of a tiny engine on the GPU path (Pallas, unrolled layers, bf16): one Triton
     launch per layer (two in a cascade step), and the stacked cache never sliced."""
     model_cfg = preset_config("tiny")
     cfg = gl.gpu_config(model_cfg, SMALL_ENGINE)
-    assert cfg.dtype == "bfloat16" and cfg.layer_loop == "scan"
+    assert cfg.dtype == "bfloat16" and cfg.layer_loop == "unrolled"
     variants = cfg.variants()
     assert len(variants) >= 8 and any(map(is_cascade, variants))
     for key in variants:
@@ -47,6 +49,19 @@ def test_every_step_variant_lowers_with_its_launches_and_no_cache_copy():
         text = gl.export_for_cuda(gl.step_for_gpu(model_cfg, cfg, key), *args)
         assert gl.triton_calls(text) == (2 if is_cascade(key) else 1), key
         assert gl.cache_slices(text, args[1].kv.k) == 0, key
+
+
+@pytest.mark.parametrize("cascade", [False, True])
+def test_scanned_layers_slice_no_cache_either(cascade):
+    """With `layer_loop="scan"` the layer index is traced; the kernel still gets the whole
+    cache (the old `k_cache[layer]` was a dynamic slice here, copied per layer)."""
+    model_cfg = preset_config("tiny")
+    cfg = gl.gpu_config(model_cfg, dataclasses.replace(SMALL_ENGINE, layer_loop="scan"))
+    key = next(k for k in cfg.variants() if is_cascade(k) == cascade)
+    args = gl.step_args(model_cfg, cfg, key)
+    text = gl.export_for_cuda(gl.step_for_gpu(model_cfg, cfg, key), *args)
+    assert gl.triton_calls(text) == 1 + cascade
+    assert gl.cache_slices(text, args[1].kv.k) == 0
 
 
 def test_cache_slices_sees_a_sliced_layer():

@@ -17,6 +17,14 @@ INTERPRET = os.environ.get("HETERO_JAX_PALLAS_INTERPRET", "1") != "0"
 HEADS = [(4, 4, 64), (8, 4, 128), (8, 2, 64), (16, 2, 128)]  # (Hq, Hkv, D): GQA 1, 2, 4, 8
 
 
+@pytest.fixture(autouse=True)
+def ieee_float32():
+    """float32 dots as IEEE float32: on a GPU the kernel would otherwise run them as TF32
+    (its default), far from the 1e-5 the cases check; on a CPU nothing changes."""
+    with jax.default_matmul_precision("highest"):
+        yield
+
+
 def pallas(b):
     return np.asarray(ragged_paged_attention(**b, impl="pallas", interpret=INTERPRET))
 

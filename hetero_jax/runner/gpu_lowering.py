@@ -31,10 +31,11 @@ H200_SMS = 132
 
 
 def gpu_config(model_cfg: ModelConfig, cfg: EngineConfig) -> EngineConfig:
-    """`cfg` as a GPU engine resolves it: the Pallas kernel, layer_loop "auto" as `scan`,
-    dtype "auto" as bfloat16, and every None filled from the model."""
+    """`cfg` as a GPU engine resolves it: the Pallas kernel, layer_loop "auto" as "unrolled"
+    (`layers.for_layer_loop`), dtype "auto" as bfloat16, and every None filled from the
+    model."""
     cfg = dataclasses.replace(cfg, attention_impl="pallas", dtype=cfg.dtype_on("gpu"),
-                              layer_loop="scan" if cfg.layer_loop == "auto" else cfg.layer_loop)
+                              layer_loop="unrolled" if cfg.layer_loop == "auto" else cfg.layer_loop)
     kv_bytes = 2 * model_cfg.num_layers * model_cfg.num_kv_heads * model_cfg.head_dim * \
         jnp.dtype(cfg.dtype).itemsize
     return cfg.resolve(model_cfg.max_position_embeddings, kv_bytes)
@@ -81,8 +82,8 @@ def export_for_cuda(fn, *args, **kwargs) -> str:
 
 
 def triton_calls(text: str) -> int:
-    """The Triton kernel calls written in lowered StableHLO text: a scanned layer loop's body,
-    and each function called from it, count once."""
+    """The Triton kernel calls written in lowered StableHLO text: the kernels one layer
+    launches (every layer calls the same lowered function, unrolled or scanned)."""
     return text.count(f"custom_call @{TRITON_TARGET}(")
 
 

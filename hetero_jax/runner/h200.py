@@ -65,7 +65,7 @@ def compile_for_h200(fn, *args, fail_on_spills: bool = False):
 
 def compile_step(model_cfg: ModelConfig, cfg: EngineConfig, key: tuple, **kw):
     """Variant `key` of the GPU engine's step (`gpu_lowering.gpu_config` of `cfg`: Pallas,
-    scanned or `cfg.layer_loop="unrolled"` layers, bf16 by default) compiled for the H200."""
+    unrolled or `cfg.layer_loop="scan"` layers, bf16 by default) compiled for the H200."""
     fn = gpu_lowering.step_for_gpu(model_cfg, cfg, key)
     return compile_for_h200(fn, *gpu_lowering.step_args(model_cfg, cfg, key), **kw)
 
