@@ -37,7 +37,7 @@ def for_layer_loop(params, layer_loop: str) -> dict:
     arrays and copies them before their matmuls, on a CPU (about 4x slower decode on the
     `small` preset) and, in the deviceless H200 compile, on a GPU too (an 8B-shaped bf16
     decode step at 64 x 2,048 moves 1.98x its floor scanned, 1.12x unrolled; docs/results.md).
-    "scan" keeps compile time flat in depth (19 vs 25 s for that step's 32 layers)."""
+    "scan" keeps compile time flat in depth (17-19 s vs 25-34 s for that step's 32 layers)."""
     if layer_loop not in ("auto", "scan", "unrolled"):
         raise ValueError(f"layer_loop={layer_loop!r}: expected auto, scan or unrolled")
     return params if layer_loop == "scan" else split_layers(params)
