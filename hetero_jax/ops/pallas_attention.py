@@ -1,23 +1,26 @@
 """Ragged paged attention as one Pallas kernel (Triton lowering on GPU, interpret mode on CPU).
 
 In: the same arrays as `attention.ragged_paged_attention` (`q [T, Hq, D]`, pages
-`[P, page_size, Hkv, D]`, `kv_lens [S]`, `page_indices [S, pps]`, `cu_q_lens [S+1]`, `num_seqs`).
-Out: `[T, Hq, D]`, rows past `cu_q_lens[num_seqs]` zero. The float64 ground truth is
+`[P, page_size, Hkv, D]` or the stacked cache `[L, P, page_size, Hkv, D]` with a layer index,
+`kv_lens [S]`, `page_indices [S, pps]`, `cu_q_lens [S+1]`, `num_seqs`). Out: `[T, Hq, D]`, rows
+past `cu_q_lens[num_seqs]` zero. The float64 ground truth is
 `attention.ragged_paged_attention_reference`.
 
-Design. The wrapper cuts every sequence's new tokens into query blocks of `block_q` tokens and
-lists them as work items `[W, 5]` (seq, first token, token count, position of the first token,
-KV tokens to read); the padding tail after `cu_q_lens[num_seqs]` is one more pseudo-sequence
-with no KV, so its rows are written as zeros. `W` is a static bound (about
+Design. `plan_work` (once per step) cuts every sequence's new tokens into query blocks of
+`block_q` tokens and lists them as work items `[W, 5]` (seq, first token, token count, position
+of the first token, KV tokens to read); the padding tail after `cu_q_lens[num_seqs]` is one more
+pseudo-sequence with no KV, so its rows are written as zeros. `W` is a static bound (about
 `T / block_q + S + 1`, at most `T`); spare items have no tokens and return at once. The grid is
-`(Hkv, W)`: one program per (kv head, query block) takes the `Hq // Hkv` query heads of its kv
-head together, so its tile is `block_q * group_pad` rows of (token, head) pairs (`group_pad` =
-the group rounded up to a power of two for Triton). It streams KV blocks of `pages_per_block`
-whole pages through an online softmax, gathering rows through the page table, masks causally,
-and stores only its valid rows. Decode tokens (one query) and chunks (many) share the one
-launch: a decode sequence is simply a work item with one token. That wastes tile rows on decode
-items, which is compute the memory-bound decode can afford; there is no split over the KV axis
-yet, so few long sequences leave most of the GPU idle.
+`(Hkv, W, splits)`: one program per (kv head, query block, KV split) takes the `Hq // Hkv`
+query heads of its kv head together, so its tile is `block_q * group_pad` rows of (token, head)
+pairs (`group_pad` = the group rounded up to a power of two for Triton). It streams its split's
+KV blocks of `pages_per_block` whole pages through an online softmax, gathering rows of the
+stacked cache in place through the page table and the layer index (no layer is sliced out: a
+copy), masks causally, and stores only its valid rows with their log-sum-exp; splits are merged
+by log-sum-exp after the launch. Decode tokens (one query) and chunks (many) share the one
+launch: a decode sequence is simply a work item with one token. A decode-only launch uses 16-row
+tiles and splits the KV axis (flash-decoding) when kv heads x items would leave SMs idle. Any
+head size runs: `q` is padded to a power of two and K/V's padded columns are masked on load.
 """
 from __future__ import annotations
 
