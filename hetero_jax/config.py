@@ -138,8 +138,18 @@ class EngineConfig:
             return self.dtype
         return "bfloat16" if backend in ("gpu", "cuda", "rocm") else "float32"
 
+    def impl_on(self, backend: str) -> str:
+        """The attention on a jax `backend`: `attention_impl` unless "auto" (the Pallas kernel
+        on GPUs, XLA elsewhere)."""
+        if self.attention_impl != "auto":
+            return self.attention_impl
+        return "pallas" if backend in ("gpu", "cuda", "rocm") else "xla"
+
     def resolve(self, model_max_len: int, kv_bytes_per_token: int) -> "EngineConfig":
-        """Fill every None from the model: max_model_len, num_pages and the bucket lists."""
+        """Fill every None from the model: max_model_len, num_pages and the bucket lists. With
+        attention_impl="pallas" the default page buckets are one (pages_per_seq): the kernel
+        loops over each sequence's pages, so a page table's width costs it nothing and a
+        bucket per width would only multiply the variants (20 instead of 106 by default)."""
         max_len = min(model_max_len, 2048) if self.max_model_len is None else self.max_model_len
         if max_len > model_max_len:
             raise ValueError(f"max_model_len={max_len} exceeds the model's {model_max_len}")
@@ -157,8 +167,9 @@ class EngineConfig:
             token_buckets=tuple(sorted(tokens)),
             seq_buckets=tuple(sorted(self.seq_buckets or _powers_of_two(
                 min(8, self.max_num_seqs), self.max_num_seqs))),
-            page_buckets=tuple(sorted(self.page_buckets or _powers_of_two(
-                min(8, pages_per_seq), pages_per_seq, factor=4))),
+            page_buckets=tuple(sorted(self.page_buckets or (
+                (pages_per_seq,) if self.attention_impl == "pallas" else _powers_of_two(
+                    min(8, pages_per_seq), pages_per_seq, factor=4)))),
             chunk_seq_buckets=tuple(sorted(self.chunk_seq_buckets or {0, self.max_chunk_seqs})))
         for name, need in (("token_buckets", self.token_budget), ("seq_buckets", self.max_num_seqs),
                            ("page_buckets", pages_per_seq),

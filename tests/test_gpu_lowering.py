@@ -19,7 +19,8 @@ pytestmark = pytest.mark.skipif(jax.default_backend() == "gpu",
                                 reason="on a GPU the kernels run: tests/test_pallas_attention.py")
 
 SMALL_ENGINE = EngineConfig(max_model_len=256, token_budget=64, chunk_size=32, max_num_seqs=8,
-                            max_chunk_seqs=2, token_buckets=(16, 64), seq_buckets=(8,))
+                            max_chunk_seqs=2, token_buckets=(16, 64), seq_buckets=(8,),
+                            page_buckets=(4, 16))  # a second page width, as a user may ask
 
 
 def spec(b):
@@ -81,3 +82,14 @@ def test_odd_head_size_and_gqa_engine_lowers():
     text = gl.export_for_cuda(gl.step_for_gpu(model_cfg, cfg, key),
                               *gl.step_args(model_cfg, cfg, key))
     assert gl.triton_calls(text) == (2 if is_cascade(key) else 1)
+
+
+@pytest.mark.parametrize("preset", ["tiny", "small", "llama-8b-shape"])
+def test_gpu_defaults_compile_at_most_24_variants(preset):
+    """The Pallas kernel loops over each sequence's pages, so a GPU engine's default page
+    buckets are one: its variants are T x S x chunk slots (+ cascade), not x page widths."""
+    model_cfg = preset_config(preset)
+    cfg = gl.gpu_config(model_cfg, EngineConfig())
+    assert cfg.page_buckets == (-(-cfg.max_model_len // cfg.page_size),)
+    assert len(cfg.variants()) <= 24
+    assert len(EngineConfig().resolve(cfg.max_model_len, 1024).variants()) > 24  # XLA: widths

@@ -135,8 +135,7 @@ class DecoderRunner:
         self.model_cfg, self.cfg = model_cfg, cfg
         self.params = for_layer_loop(params, cfg.layer_loop)
         self.state = self.zero_state()
-        impl = cfg.attention_impl
-        self.impl = ("pallas" if backend == "gpu" else "xla") if impl == "auto" else impl
+        self.impl = cfg.impl_on(backend)
         self.interpret = self.impl == "pallas" and backend != "gpu"  # Pallas off-GPU: interpret
         self.executable = ExecutableCache(self._compile)
         self.compile_cache = enable_compile_cache(cfg.compile_cache)

@@ -57,7 +57,9 @@ class Engine(BatchAPI):
         (`runner.sharding`), checked against the model before any params are placed."""
         _check_tensor_parallel(model_cfg, config)
         dtype = _dtype(config)
-        config = dataclasses.replace(config or EngineConfig(), dtype=dtype.name)
+        config = config or EngineConfig()
+        config = dataclasses.replace(config, dtype=dtype.name,
+                                     attention_impl=config.impl_on(jax.default_backend()))
         kv_bytes = 2 * model_cfg.num_layers * model_cfg.num_kv_heads * model_cfg.head_dim * dtype.itemsize
         # Sliding-window attention is not implemented: within the window it equals full attention.
         max_len = min(model_cfg.max_position_embeddings, model_cfg.sliding_window or 2**31)
