@@ -60,7 +60,7 @@ def test_rows_from_a_pipe_run_once_each(tmp_path):
                                                             proc_in.stdin.close()))
     proc_in.wait()
     assert status == 0, stderr[-2000:]
-    assert "0 rows" not in stdout and "40 rows written" in stdout, stdout
+    assert "; 0 rows to run" not in stdout and "40 rows written" in stdout, stdout
     assert sorted(by_id(read_jsonl(out)), key=str) == sorted((r["id"] for r in rows), key=str)
 
 
@@ -80,11 +80,11 @@ def test_rows_from_a_fifo_run_once_each(tmp_path):
 # -- 2. one hostile row is that row's error -------------------------------------------------
 
 def test_hostile_rows_are_their_own_errors_with_their_lines(tmp_path, fake_engine, monkeypatch):
-    monkeypatch.setattr(rows_mod, "MAX_ROW_BYTES", 4096)
+    monkeypatch.setattr(rows_mod, "MAX_ROW_BYTES", 4500)
     lines = ['\ufeff{"id": "a", "embed": "x"}',  # a UTF-8 BOM on line 1
              '{"id": "deep", "embed": ' + "[" * 1500 + "]" * 1500 + "}",
              '{"id": "huge", "prompt": "' + "y" * 5000 + '"}',
-             '{"id": "digits", "prompt": "x", "max_tokens": ' + "9" * 5000 + "}",
+             '{"id": "digits", "prompt": "x", "max_tokens": ' + "9" * 4400 + "}",
              '{"id": "nest", "prompt": [[[[[[[[1]]]]]]]]}',
              '{"id": "b", "prompt": "z", "max_tokens": 2}']
     inp = write_jsonl(tmp_path / "in.jsonl", lines)
@@ -94,7 +94,7 @@ def test_hostile_rows_are_their_own_errors_with_their_lines(tmp_path, fake_engin
     errors = {e["line"]: e for e in read_jsonl(out + ".errors.jsonl")}
     assert sorted(errors) == [2, 3, 4, 5], errors
     assert "nested" in errors[2]["error"] and "deeper" in errors[2]["error"]
-    assert "4096" in errors[3]["error"] and "bytes" in errors[3]["error"]
+    assert "4500" in errors[3]["error"] and "bytes" in errors[3]["error"]
     assert "digits" in errors[4]["error"] or "number" in errors[4]["error"]
     assert len(errors[5]["error"]) < 300, errors[5]["error"]
 
