@@ -15,6 +15,7 @@ import dataclasses
 import os
 
 from hetero_jax.bench.workloads import MixedWorkload, synthetic_iter_retgen
+from hetero_jax.config import size_relation
 from hetero_jax.sched.bandit import DEFAULT_ARMS, make_arms
 from hetero_jax.sched.batching import BATCHING
 from hetero_jax.sched.policies import COST_AWARE_IBS
@@ -247,9 +248,10 @@ class BenchConfig:
                          "roofline:<hardware>")
         if args.tensor_parallel > 1:
             _check_tensor_parallel(parser, args, model_cfg)
-        if args.chunk_size > args.token_budget:
-            parser.error(f"--chunk-size {args.chunk_size} exceeds --token-budget "
-                         f"{args.token_budget}")
+        relation = size_relation(args.token_budget, args.chunk_size, args.max_num_seqs,
+                                 args.max_chunk_seqs)
+        if relation:
+            parser.error(f"argument --{relation[0].replace('_', '-')}: {relation[1]}")
         return cls(**dict(
             vars(args), ratios=tuple(args.ratios), schedulers=tuple(args.schedulers),
             batching=tuple(args.batching),

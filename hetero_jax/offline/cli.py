@@ -29,6 +29,7 @@ import os
 import sys
 import time
 
+from hetero_jax.config import size_relation
 from hetero_jax.models.presets import PRESETS, preset_config
 from hetero_jax.offline.job import EngineFront, Tally, count_to_run, run_job
 from hetero_jax.offline.journal import STDIO, ErrorLog, OutputError, OutputJournal
@@ -154,6 +155,9 @@ def check(parser: argparse.ArgumentParser, args) -> Plan:
         if other != flag:
             parser.error(f"argument {flag}: {path!r} is {other} too; pick another path")
     check_tensor_parallel(parser, args)
+    relation = size_relation(args.token_budget, args.chunk_size, args.max_num_seqs, 1)
+    if relation:
+        parser.error(f"argument --{relation[0].replace('_', '-')}: {relation[1]}")
     try:
         source = open_source(args.input)
     except InputError as e:
