@@ -188,8 +188,8 @@ def engine():
 
 @pytest.mark.parametrize("call,message", [
     (lambda e: e.generate(None), "prompts is None; expected a string, a list of token ids"),
-    (lambda e: e.generate(5), "prompts is an int (5); expected a string, a list of token ids"),
-    (lambda e: e.generate(b"abc"), "prompts is bytes (b'abc'); expected a string"),
+    (lambda e: e.generate(5), r"prompts is an int \(5\); expected a string, a list of token ids"),
+    (lambda e: e.generate(b"abc"), r"prompts is bytes \(b'abc'\); expected a string"),
     (lambda e: e.generate(["x"], {"max_tokens": 2}),
      r"params is a dict \(\{'max_tokens': 2\}\); expected SamplingParams, a list of them or "
      r"None \(SamplingParams\(\*\*params\) builds one from a dict\)"),
@@ -201,6 +201,14 @@ def test_prompts_of_the_wrong_shape_say_what_was_passed(engine, call, message):
     with pytest.raises((TypeError, ValueError), match=message):
         call(engine)
     assert not engine.has_work()
+
+
+def test_one_list_of_token_ids_is_one_prompt_as_in_openais_api(engine):
+    greedy = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    one = engine.generate([1, 2, 3], greedy, use_tqdm=False)
+    assert [o.token_ids for o in one] == [o.token_ids for o in engine.generate(
+        [[1, 2, 3]], greedy, use_tqdm=False)]
+    assert len(engine.generate(np.array([4, 5]), greedy, use_tqdm=False)) == 1
 
 
 # -- 9. EngineConfig types and relations ----------------------------------------------------
