@@ -129,7 +129,8 @@ class Engine(BatchAPI):
         encoder = SeparateEncoder.from_pretrained(embed_model, dtype) if embed_model else None
         dirs = {"default": embed_adapter} if isinstance(embed_adapter, str) else embed_adapter
         adapters = {name: load_adapter(d, model_cfg, dtype) for name, d in (dirs or {}).items()}
-        return cls(model_cfg, params, load_tokenizer(path, model_cfg.eos_token_ids), config,
+        return cls(model_cfg, params, load_tokenizer(path, model_cfg.eos_token_ids,
+                                                       model_cfg.vocab_size), config,
                    encoder, adapters)
 
     def save(self, path: str) -> None:
