@@ -217,7 +217,8 @@ class Engine(BatchAPI):
 
         When running the step raises, the items whose own data cannot be packed are failed
         alone (`finish_reason="error"`, pages and slots freed) and the others run next step;
-        when no item is to blame, the error is raised.
+        when no item is to blame, the error is raised. A request whose sampled token or
+        embedding comes back NaN or Inf fails alone the same way (`_fail_non_finite`).
         """
         with self._lock:
             out = self.scheduler.schedule()
@@ -226,9 +227,10 @@ class Engine(BatchAPI):
                 runner_out = self._execute(out)
             except Exception as error:
                 return self._fail_culprits(out, error)
+            failed = self._fail_non_finite(runner_out)
             finished = self.scheduler.update(out, runner_out, time.perf_counter())
             self._account(out, runner_out)
-            return finished
+            return failed + finished
 
     def abort(self, request_id) -> None:
         """Drop a request wherever it is; the scheduler frees its pages and pooler slot."""
@@ -274,13 +276,25 @@ class Engine(BatchAPI):
                 culprits.append((item.request_id, e))
         if not culprits:
             raise error
-        failed = []
-        for rid, e in culprits:
-            req = self.scheduler.requests[rid]
-            self.scheduler.abort(rid)
-            req.finish_reason, req.error, req.finish_time = "error", e, time.perf_counter()
-            failed.append(req)
-        return failed
+        return [self._fail(rid, e) for rid, e in culprits]
+
+    def _fail_non_finite(self, runner_out) -> list:
+        """Fail the requests whose sampled token (its log-probability) or embedding came back
+        NaN or Inf: what the model made of their inputs overflowed. The step's others go on."""
+        bad = [(rid, "sampled token's log-probability") for rid, t in runner_out.sampled.items()
+               if not np.isfinite(t.logprob)]
+        bad += [(rid, "embedding") for rid, v in runner_out.embeddings.items()
+                if not np.isfinite(v).all()]
+        return [self._fail(rid, FloatingPointError(
+            f"the model's output for it is not finite (NaN or Inf in its {what}): the weights "
+            "or its activations overflowed")) for rid, what in bad]
+
+    def _fail(self, rid, error: Exception):
+        """Abort a request (its pages and slot freed) as failed with `error`; -> its handle."""
+        req = self.scheduler.requests[rid]
+        self.scheduler.abort(rid)
+        req.finish_reason, req.error, req.finish_time = "error", error, time.perf_counter()
+        return req
 
     def _account(self, out, runner_out) -> None:
         s = self.stats

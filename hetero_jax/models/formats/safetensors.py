@@ -4,8 +4,8 @@ into a params pytree with stacked layers.
 In: a model directory with `model.safetensors` or a sharded `model.safetensors.index.json`
 (whose entries must stay inside the directory). Out: numpy arrays, checked against the shapes
 the config expects. A header whose byte spans do not match their shapes or overlap, a missing,
-truncated, mis-shaped or unaccounted-for tensor fails naming the file and the tensor. No jax,
-no torch.
+truncated, mis-shaped, unaccounted-for or non-finite (NaN/Inf, checked block by block as it
+is read) tensor fails naming the file and the tensor. No jax, no torch.
 """
 from __future__ import annotations
 
@@ -55,7 +55,8 @@ def _span(path: str, name: str, info) -> tuple:
 
 
 class SafetensorsFile:
-    """Lazy reader of one .safetensors file: `names`, `shape(name)`, `get(name) -> np.ndarray`.
+    """Lazy reader of one .safetensors file: `names`, `shape(name)`, `get(name) -> np.ndarray`
+    (refused when it holds a NaN or Inf).
 
     The header is checked when the file is opened: every tensor's byte span matches its shape
     and dtype, lies inside the file and overlaps no other tensor's."""
@@ -109,6 +110,11 @@ class SafetensorsFile:
             raise ValueError(f"{self.path}: tensor {name} has unsupported dtype {info['dtype']}")
         arr = np.memmap(self.path, dtype=_DTYPES[info["dtype"]], mode="r",
                         offset=self.data_start + info["data_offsets"][0], shape=self.shape(name))
+        bad = count_non_finite(arr)
+        if bad:
+            raise ValueError(f"{self.path}: tensor {name} holds {bad} non-finite "
+                             f"value{'s' if bad > 1 else ''} (NaN or Inf) of {arr.size}: the "
+                             "checkpoint is corrupt, or overflowed when it was saved")
         return np.asarray(arr)
 
 
@@ -160,6 +166,16 @@ def open_checkpoint(model_dir: str) -> dict:
         raise FileNotFoundError(f"no model.safetensors or {_INDEX} in {model_dir}")
     f = SafetensorsFile(single)
     return {name: f for name in f.names}
+
+
+def count_non_finite(arr: np.ndarray, block: int = 2**24) -> int:
+    """How many NaN/Inf values `arr` holds (0 for integers), read in blocks of `block`
+    elements so the check never holds more than a block's mask."""
+    if not np.issubdtype(arr.dtype, np.inexact) and arr.dtype != ml_dtypes.bfloat16:
+        return 0
+    flat = arr.reshape(-1)
+    return sum(int(flat.size - np.count_nonzero(np.isfinite(flat[i:i + block])))
+               for i in range(0, flat.size, block))
 
 
 def read_tensor(tensors: dict, name: str, shape: tuple, transpose: bool) -> np.ndarray:
