@@ -34,6 +34,7 @@ from hetero_jax.models.tokenizer import ByteTokenizer, load_tokenizer
 from hetero_jax.outputs import EngineStats
 from hetero_jax.runner.batch import pack_batch
 from hetero_jax.runner.decoder import DecoderRunner
+from hetero_jax.runner.memory import check_memory
 from hetero_jax.runner.sharding import ShardedDecoderRunner, check_tensor_parallel, \
     restore_targets, unexpand_kv_heads
 from hetero_jax.sched import RunnerOutput, Scheduler, SchedulerConfig
@@ -56,10 +57,7 @@ class Engine(BatchAPI):
         (`runner.sharding`), checked against the model before any params are placed."""
         _check_tensor_parallel(model_cfg, config)
         dtype = jnp.dtype((config or EngineConfig()).dtype)
-        kv_bytes = 2 * model_cfg.num_layers * model_cfg.num_kv_heads * model_cfg.head_dim * dtype.itemsize
-        # Sliding-window attention is not implemented: within the window it equals full attention.
-        max_len = min(model_cfg.max_position_embeddings, model_cfg.sliding_window or 2**31)
-        self.config = c = (config or EngineConfig()).resolve(max_len, kv_bytes)
+        self.config = c = _resolved(model_cfg, config)  # the sizes checked against memory
         self.model_cfg, self.tokenizer, self.encoder = model_cfg, tokenizer, encoder
         # With tensor_parallel the weights stay on the host, or as sharded as they came (an
         # engine checkpoint restored into its shardings): the sharded runner places the rest.
@@ -104,6 +102,7 @@ class Engine(BatchAPI):
         """An embedded model (random weights from `seed`); `embed_model` as in from_pretrained."""
         cfg = preset_config(name)
         _check_tensor_parallel(cfg, config)
+        _resolved(cfg, config)  # sizes against memory, before the weights are made
         dtype = jnp.dtype((config or EngineConfig()).dtype)
         encoder = SeparateEncoder.from_pretrained(embed_model, dtype) if embed_model else None
         on_host = (config or EngineConfig()).tensor_parallel > 1  # the runner places shards
@@ -124,6 +123,7 @@ class Engine(BatchAPI):
         dtype = jnp.dtype((config or EngineConfig()).dtype)
         model_cfg = read_model_config(path)
         _check_tensor_parallel(model_cfg, config)  # before the weights are read
+        _resolved(model_cfg, config)  # and the sizes against memory
         params = load_params(path, model_cfg, dtype,
                              on_host=(config or EngineConfig()).tensor_parallel > 1)
         encoder = SeparateEncoder.from_pretrained(embed_model, dtype) if embed_model else None
@@ -325,6 +325,19 @@ def _as_dtype(x, dtype, keep_placement: bool):
     if not keep_placement:
         return jnp.asarray(x, dtype)
     return x.astype(dtype) if isinstance(x, jax.Array) else np.asarray(x, dtype)
+
+
+def _resolved(model_cfg: ModelConfig, config: EngineConfig | None) -> EngineConfig:
+    """The config with every None filled from the model, its sizes checked against the memory
+    they imply (`runner.memory.check_memory`: a ValueError naming the knob and the bytes)."""
+    config = config or EngineConfig()
+    itemsize = jnp.dtype(config.dtype).itemsize
+    kv_bytes = 2 * model_cfg.num_layers * model_cfg.num_kv_heads * model_cfg.head_dim * itemsize
+    # Sliding-window attention is not implemented: within the window it equals full attention.
+    max_len = min(model_cfg.max_position_embeddings, model_cfg.sliding_window or 2**31)
+    resolved = config.resolve(max_len, kv_bytes)
+    check_memory(model_cfg, resolved, itemsize)
+    return resolved
 
 
 def _check_tensor_parallel(model_cfg: ModelConfig, config: EngineConfig | None) -> None:
