@@ -88,7 +88,8 @@ def test_absurd_model_sizes_are_refused_before_reading_weights(tiny_dir, tmp_pat
 # -- 5. non-finite weights and outputs -------------------------------------------------------
 
 @pytest.mark.parametrize("name,value", [("model.layers.0.mlp.up_proj.weight", np.nan),
-                                        ("model.norm.weight", np.inf)])
+                                        ("model.norm.weight", np.inf),
+                                        ("model.layers.0.mlp.down_proj.weight", 1e38)])
 def test_non_finite_weights_are_refused_at_load_naming_the_tensor(tiny_dir, tmp_path, name,
                                                                   value):
     def poison(arr):

@@ -65,7 +65,8 @@ class HFTokenizer:
         own = () if self._tok.eos_token_id is None else (self._tok.eos_token_id,)
         self.eos_token_ids = tuple(dict.fromkeys(eos_token_ids + own))
         self.special_token_ids = frozenset(self._tok.all_special_ids)
-        self.vocab_size = len(self._tok)
+        # ids it can give: its length, or past it when a vocabulary file skips ids
+        self.vocab_size = max(len(self._tok), max(self._tok.get_vocab().values(), default=-1) + 1)
 
     def encode(self, text: str) -> list[int]:
         return list(self._tok.encode(text))

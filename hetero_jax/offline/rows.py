@@ -127,12 +127,13 @@ def open_source(path: str) -> Source:
         f = open(path, "rb")
     except OSError as e:
         raise InputError(f"cannot read {path!r}: {e.strerror or e}") from None
-    head = []
     lines = _lines(f)
-    _check_jsonl(path, _held(lines, head))
-    if head and isinstance(head[0], bytes) and head[0].startswith(PARQUET_MAGIC):
+    first = next(lines, b"")
+    if isinstance(first, bytes) and first.startswith(PARQUET_MAGIC):
         raise InputError(f"{path!r} is a pipe holding Parquet, which is read by seeking: "
                          "write it to a file first, or pipe JSONL")
+    head = []
+    _check_jsonl(path, _held(itertools.chain([first] if first else [], lines), head))
     return Source(path, "jsonl", itertools.chain(head, lines))
 
 

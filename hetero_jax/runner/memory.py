@@ -48,7 +48,9 @@ def memory_items(model: ModelConfig, cfg: EngineConfig, itemsize: int) -> list:
             f"{cfg.max_model_len})"
     items = [
         MemoryItem(f"vocab_size={model.vocab_size}, hidden_size={d}, intermediate_size="
-                   f"{model.intermediate_size}, num_hidden_layers={model.num_layers}",
+                   f"{model.intermediate_size}, num_hidden_layers={model.num_layers}, "
+                   f"num_attention_heads={model.num_heads}, num_key_value_heads="
+                   f"{model.num_kv_heads}, head_dim={hd}",
                    "the weights", model.num_params * itemsize // tp, "device"),
         MemoryItem(pages, "the KV cache", cfg.num_pages * cfg.page_size * kv_per_token // tp,
                    "device"),
@@ -59,7 +61,8 @@ def memory_items(model: ModelConfig, cfg: EngineConfig, itemsize: int) -> list:
                    (cfg.max_num_seqs + 1) * d * F32 * (5 + buffer_len), "device"),
         MemoryItem(f"token_buckets={_shown(cfg.token_buckets)}, seq_buckets="
                    f"{_shown(cfg.seq_buckets)} (max_num_seqs={cfg.max_num_seqs}), page_buckets="
-                   f"{_shown(cfg.page_buckets)} (max_model_len={cfg.max_model_len}), "
+                   f"{_shown(cfg.page_buckets)} x page_size={cfg.page_size} (max_model_len="
+                   f"{cfg.max_model_len}), "
                    f"chunk_seq_buckets={_shown(cfg.chunk_seq_buckets)}, with the model's "
                    f"hidden_size={d}, intermediate_size={model.intermediate_size}, vocab_size="
                    f"{model.vocab_size}", "the largest step's activations", activations,
