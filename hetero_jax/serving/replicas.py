@@ -33,6 +33,7 @@ others go on.
 from __future__ import annotations
 
 import multiprocessing
+import multiprocessing.connection
 import os
 import queue
 import threading
@@ -180,7 +181,9 @@ class ReplicaSet(RoutedReplicas):
 
     # -- transport -----------------------------------------------------------------------
     def _running(self, replica: int) -> bool:
-        return self._procs[replica].is_alive()
+        # the sentinel closes when the process ends; is_alive() can say True for a dead one
+        # while its reader thread is reaping it (two waitpid calls race)
+        return not multiprocessing.connection.wait([self._procs[replica].sentinel], 0)
 
     def _dispatch(self, batches: dict) -> None:
         for replica, items in batches.items():
