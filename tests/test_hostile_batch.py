@@ -8,6 +8,7 @@ import argparse
 import fcntl
 import json
 import os
+import random
 import subprocess
 import sys
 
@@ -19,8 +20,9 @@ from hetero_jax import cli
 from hetero_jax.offline import cli as batch_cli
 from hetero_jax.offline import rows as rows_mod
 from hetero_jax.offline.journal import ErrorLog, OutputError
-from tests.test_batch_job import (KILL_SCRIPT, ROOT, FakeFront, by_id, fake_front, mixed_rows,
-                                  read_jsonl, run_rows, write_jsonl)
+from tests.test_batch_job import (KILL_SCRIPT, ROOT, FakeFront, batch_process, by_id, fake_front,
+                                  killed_then_finished, mixed_rows, read_jsonl, run_rows,
+                                  write_jsonl)
 
 
 @pytest.fixture
@@ -180,6 +182,7 @@ def test_every_flag_of_every_command_has_help_text():
 
 # -- the property: hostile files ----------------------------------------------------------
 
+OVER_LIMIT = '{"id": "k", "prompt": "' + "w" * 3000 + '"}'  # over the tests' 2048-byte limit
 BAD_LINES = [
     "[" * 1500 + "]" * 1500, '{"id": 1, "embed": ' + "[" * 2000 + "]" * 2000 + "}",
     "\udcff\udcfe not utf-8", "not json", '"a string"', "[1, 2]", "null", '{"embed": "x"}',
@@ -187,12 +190,12 @@ BAD_LINES = [
     '{"id": "k", "prompt": "x", "embed": "y"}', '{"id": "k"}', '{"id": "k", "prompt": 5}',
     '{"id": "k", "prompt": "x", "max_tokens": -1}', '{"id": "k", "prompt": "x", "stop": ["a"]}',
     '{"id": "k", "prompt": "x", "max_tokens": ' + "7" * 4500 + "}",
-    '{"id": "k", "prompt": "' + "w" * 3000 + '"}', '{"id": "k", "embed": "x", "pooling": 3}',
+    OVER_LIMIT, '{"id": "k", "embed": "x", "pooling": 3}',
     '{"id": "k", "prompt": "x", "temperature": NaN}', '{"id": "k", "prompt": {"a": 1}}',
 ]
 
 
-def hostile_file(draw_lines: list) -> tuple:
+def hostile_file(draw_lines: list, bad_lines=tuple(BAD_LINES)) -> tuple:
     """(file lines, {good id: its row}, [lines that must be errors])"""
     lines, good, bad = [], {}, []
     for i, (kind, pick) in enumerate(draw_lines, 1):
@@ -201,12 +204,12 @@ def hostile_file(draw_lines: list) -> tuple:
             good[row["id"]] = row
             lines.append(json.dumps(row))
         else:
-            lines.append(BAD_LINES[pick % len(BAD_LINES)].replace('"k"', f'"b{i}"'))
+            lines.append(bad_lines[pick % len(bad_lines)].replace('"k"', f'"b{i}"'))
             bad.append(i)
     return lines, good, bad
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.lists(st.tuples(st.sampled_from(["good", "good", "bad"]), st.integers(0, 10**6)),
                 min_size=1, max_size=30))
 def test_hostile_files_keep_every_good_row_once_and_name_every_bad_line(tmp_path_factory, drawn):
@@ -224,3 +227,24 @@ def test_hostile_files_keep_every_good_row_once_and_name_every_bad_line(tmp_path
     assert by_id(read_jsonl(tmp / "out.jsonl")) == by_id(read_jsonl(tmp / "clean.out.jsonl"))
     errors = read_jsonl(tmp / "out.jsonl.errors.jsonl")
     assert sorted(e["line"] for e in errors) == bad
+
+
+@pytest.mark.slow  # about 20 s: 3 seeds x (a clean run, 3 killed runs and the last one)
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_hostile_files_killed_and_resumed_keep_every_good_row_once(tmp_path, seed):
+    rng = random.Random(seed)
+    drawn = [(rng.choice(["good", "good", "bad"]), rng.randrange(10**6)) for _ in range(200)]
+    lines, good, bad = hostile_file(drawn, [b for b in BAD_LINES if b != OVER_LIMIT])
+    inp = tmp_path / "in.jsonl"
+    inp.write_bytes("\n".join(lines).encode("utf-8", "surrogateescape") + b"\n")
+    clean = write_jsonl(tmp_path / "clean.jsonl", list(good.values()))
+    ref, out = str(tmp_path / "ref.jsonl"), str(tmp_path / "out.jsonl")
+    flags = ["--no-progress", "--compile-cache", "none"]
+    proc = batch_process([clean, "--output", ref, *flags])
+    assert proc.wait(timeout=60) == 0, proc.stderr.read()[-2000:]
+    landed = killed_then_finished([str(inp), "--output", out, *flags], out,
+                                  os.path.getsize(ref), kills=3, seed=seed, script=KILL_SCRIPT,
+                                  timeout=60)
+    assert landed >= 2
+    assert by_id(read_jsonl(out)) == by_id(read_jsonl(ref))
+    assert sorted(e["line"] for e in read_jsonl(out + ".errors.jsonl")) == bad
