@@ -11,7 +11,7 @@ import itertools
 from collections.abc import Callable
 
 from hetero_jax.requests import INT32_MAX, require_bool, require_int, require_real
-from hetero_jax.sched.batching import FeatherConfig, check_batching
+from hetero_jax.sched.batching import BATCHING, FeatherConfig
 
 _DTYPES = ("auto", "float32", "bfloat16")
 
@@ -22,6 +22,18 @@ def pad_to_bucket(n: int, buckets: tuple) -> int:
         if b >= n:
             return b
     raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
+
+
+def size_relation(token_budget: int, chunk_size: int, max_num_seqs: int,
+                  max_chunk_seqs: int) -> tuple | None:
+    """(the field at fault, why) for the first broken relation between a step's sizes, or
+    None; the one check `EngineConfig` and the bench's flags share."""
+    if chunk_size > token_budget:
+        return "chunk_size", f"chunk_size={chunk_size} exceeds token_budget={token_budget}"
+    if max_chunk_seqs > max_num_seqs:
+        return "max_chunk_seqs", (f"max_chunk_seqs={max_chunk_seqs} exceeds "
+                                  f"max_num_seqs={max_num_seqs}")
+    return None
 
 
 def _powers_of_two(lo: int, hi: int, factor: int = 2) -> tuple:
@@ -36,9 +48,9 @@ def _powers_of_two(lo: int, hi: int, factor: int = 2) -> tuple:
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     token_budget: int = 256
-    chunk_size: int = 64
+    chunk_size: int | None = None  # None: min(64, token_budget)
     max_num_seqs: int = 32
-    max_chunk_seqs: int = 4
+    max_chunk_seqs: int | None = None  # None: min(4, max_num_seqs)
     page_size: int = 16
     num_pages: int | None = None  # None: enough for max_num_seqs sequences, capped by kv_cache_gib
     kv_cache_gib: float = 2.0
@@ -88,6 +100,11 @@ class EngineConfig:
     buffered_head: Callable | None = None
 
     def __post_init__(self):
+        for name, default, cap in (("chunk_size", 64, "token_budget"),
+                                   ("max_chunk_seqs", 4, "max_num_seqs")):
+            if getattr(self, name) is None:  # a default never conflicts with a knob set
+                cap_value = require_int(cap, getattr(self, cap), 1, INT32_MAX)
+                object.__setattr__(self, name, min(default, cap_value))
         for name, lo in (("token_budget", 1), ("chunk_size", 1), ("max_num_seqs", 1),
                          ("max_chunk_seqs", 1), ("page_size", 1), ("max_logprobs", 0),
                          ("cascade_rows", 0), ("cascade_min_pages", 1), ("tensor_parallel", 1)):
@@ -104,6 +121,9 @@ class EngineConfig:
             if buckets is not None:
                 if isinstance(buckets, (str, bytes)) or not isinstance(buckets, (list, tuple)):
                     raise ValueError(f"{name}={buckets!r} must be a tuple of integers")
+                if not buckets:
+                    raise ValueError(f"{name}={buckets!r} must hold at least one size (None: "
+                                     "the defaults)")
                 lo = 0 if name == "chunk_seq_buckets" else 1
                 object.__setattr__(self, name, tuple(require_int(f"{name}[{i}]", b, lo, INT32_MAX)
                                                      for i, b in enumerate(buckets)))
@@ -118,7 +138,12 @@ class EngineConfig:
                              "or None")
         if not isinstance(self.scheduler, str):
             raise ValueError(f"scheduler={self.scheduler!r} must be a policy name (a string)")
-        check_batching(self.batching)
+        if not isinstance(self.batching, str) or self.batching not in BATCHING:
+            raise ValueError(f"batching={self.batching!r} must be one of {BATCHING}")
+        relation = size_relation(self.token_budget, self.chunk_size, self.max_num_seqs,
+                                 self.max_chunk_seqs)
+        if relation:
+            raise ValueError(relation[1])
         if not isinstance(self.feather, FeatherConfig):
             raise ValueError(f"feather={self.feather!r} must be a sched.FeatherConfig")
         if self.buffered_head is not None and not callable(self.buffered_head):

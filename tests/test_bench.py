@@ -105,7 +105,7 @@ def assert_scheduled_tokens_are_the_work(r: dict, cfg: dict) -> None:
     (["--baseline", "vllm"], "invalid choice: 'vllm'"),
     (["--preset", "tiny", "--output-len", "4000"], "need 4128 positions; the model has "
      "max_position_embeddings=2048"),
-    (["--chunk-size", "512"], "--chunk-size 512 exceeds --token-budget 256"),
+    (["--chunk-size", "512"], "argument --chunk-size: chunk_size=512 exceeds token_budget=256"),
     (["--model", "/no/such/dir"], "'/no/such/dir' is not a directory"),
     (["--prefix-caching", "maybe"], "bad value 'maybe': 'maybe' is not on or off"),
     (["--workload", "shared-prefix", "--prefix-len", "4000"], "need 4288 positions"),

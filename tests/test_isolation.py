@@ -234,8 +234,8 @@ def test_a_request_of_the_wrong_type_is_named(engine, request_, match):
     ([1, "104"], r"prompt 1: token 1 is '104' \(str\)"),
     ([1, True], r"prompt 1: token 1 is True \(bool\)"),
     ([[5]], r"prompt 1: token 0 is \[5\] \(list\)"),
-    (b"hi", "prompt 1 is a bytes; expected a string or a list of token ids"),
-    ({1: 2}, "prompt 1 is a dict"), (None, "prompt 1 is a NoneType"), (5, "prompt 1 is a int"),
+    (b"hi", r"prompt 1 is bytes \(b'hi'\); expected a string or a list of token ids"),
+    ({1: 2}, "prompt 1 is a dict"), (None, "prompt 1 is None"), (5, r"prompt 1 is an int \(5\)"),
     (np.zeros((2, 2), np.int32), r"prompt 1 is an array of shape \(2, 2\)"),
     (np.array([1.0]), "dtype float64; expected a 1-D integer array"),
     ("x\ud800", "prompt 1 is not valid Unicode")])

@@ -16,6 +16,7 @@ import os
 
 from hetero_jax.bench.workloads import MixedWorkload, synthetic_iter_retgen
 from hetero_jax.models.presets import PRESETS
+from hetero_jax.config import size_relation
 from hetero_jax.sched.bandit import DEFAULT_ARMS, make_arms
 from hetero_jax.sched.batching import BATCHING
 from hetero_jax.sched.policies import COST_AWARE_IBS
@@ -79,7 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", metavar="PATH", help="local Hugging Face directory (overrides "
                    "--preset)")
     p.add_argument("--workload", default="mixed", choices=["mixed", "iter-retgen",
-                                                           "shared-prefix"])
+                                                           "shared-prefix"],
+                   help="mixed: embeddings and generations at --ratios; iter-retgen: "
+                   "retrieve-generate rounds; shared-prefix: --groups of prompts sharing a prefix")
     p.add_argument("--ratios", type=parse_ratios, default="9:1,5:5,1:9",
                    help="embed:gen request ratios (mixed workload)")
     p.add_argument("--schedulers", type=name_list(SCHEDULERS + (COST_AWARE_IBS,), "scheduler"),
@@ -109,8 +112,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int_in("repeats"), default=1,
                    help="timed runs per scheduler and ratio, round robin over the schedulers "
                    "in a rotating order; each row is the run with the median requests/s")
-    p.add_argument("--embed-len", type=int_in("embed_len"), default=128)
-    p.add_argument("--prompt-len", type=int_in("prompt_len"), default=128)
+    p.add_argument("--embed-len", type=int_in("embed_len"), default=128,
+                   help="tokens per embedding input")
+    p.add_argument("--prompt-len", type=int_in("prompt_len"), default=128,
+                   help="prompt tokens per generation request")
     p.add_argument("--output-len", type=int_in("output_len"), default=256,
                    help="generated tokens per generation request (default 256)")
     quick = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in QUICK.items())
@@ -126,17 +131,24 @@ def build_parser() -> argparse.ArgumentParser:
                    "query and prompt")
     p.add_argument("--groups", type=int_in("groups"), default=8,
                    help="shared-prefix: groups of requests that share a prefix")
-    p.add_argument("--prompts-per-group", type=int_in("prompts_per_group"), default=16)
-    p.add_argument("--prefix-len", type=int_in("prefix_len"), default=512)
-    p.add_argument("--suffix-len", type=int_in("suffix_len"), default=32)
+    p.add_argument("--prompts-per-group", type=int_in("prompts_per_group"), default=16,
+                   help="shared-prefix: requests per group")
+    p.add_argument("--prefix-len", type=int_in("prefix_len"), default=512,
+                   help="shared-prefix: tokens of the prefix a group shares")
+    p.add_argument("--suffix-len", type=int_in("suffix_len"), default=32,
+                   help="shared-prefix: tokens of each request's own suffix")
     p.add_argument("--control", action="store_true", help="shared-prefix: also run the same "
                    "lengths with nothing shared")
     p.add_argument("--prefix-caching", type=on_off, default="on",
                    help="on, off or on,off (side by side: each scheduler twice)")
-    p.add_argument("--token-budget", type=int_in("token_budget"), default=256)
-    p.add_argument("--chunk-size", type=int_in("chunk_size"), default=64)
-    p.add_argument("--max-num-seqs", type=int_in("max_num_seqs"), default=32)
-    p.add_argument("--max-chunk-seqs", type=int_in("max_chunk_seqs"), default=4)
+    p.add_argument("--token-budget", type=int_in("token_budget"), default=256,
+                   help="tokens per engine step")
+    p.add_argument("--chunk-size", type=int_in("chunk_size"), default=64,
+                   help="prompt tokens per chunk (at most --token-budget)")
+    p.add_argument("--max-num-seqs", type=int_in("max_num_seqs"), default=32,
+                   help="sequences per engine step")
+    p.add_argument("--max-chunk-seqs", type=int_in("max_chunk_seqs"), default=4,
+                   help="prompt chunks per engine step (at most --max-num-seqs)")
     p.add_argument("--tensor-parallel", type=int_in("tensor_parallel"), default=1, metavar="N",
                    help="split every engine's decoder over N devices (EngineConfig("
                    "tensor_parallel=N)); not with the dedicated contender")
@@ -144,7 +156,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="warm-up requests per engine before measuring (default: --clients)")
     p.add_argument("--baseline", choices=["hf"], help="also run transformers on PyTorch CPU "
                    "on the same weights and requests (mixed workload)")
-    p.add_argument("--seed", type=int_in("seed"), default=0)
+    p.add_argument("--seed", type=int_in("seed"), default=0,
+                   help="weights (preset), request lengths and sampling")
     p.add_argument("--compile-cache", type=compile_cache_dir, default="auto", metavar="DIR",
                    help="persistent XLA compilation cache: 'auto' ($XDG_CACHE_HOME or "
                    "~/.cache, /hetero-jax/xla), a directory, or 'none'")
@@ -236,9 +249,10 @@ class BenchConfig:
                          "roofline:<hardware>")
         if args.tensor_parallel > 1:
             _check_tensor_parallel(parser, args, model_cfg)
-        if args.chunk_size > args.token_budget:
-            parser.error(f"--chunk-size {args.chunk_size} exceeds --token-budget "
-                         f"{args.token_budget}")
+        relation = size_relation(args.token_budget, args.chunk_size, args.max_num_seqs,
+                                 args.max_chunk_seqs)
+        if relation:
+            parser.error(f"argument --{relation[0].replace('_', '-')}: {relation[1]}")
         return cls(**dict(
             vars(args), ratios=tuple(args.ratios), schedulers=tuple(args.schedulers),
             batching=tuple(args.batching),

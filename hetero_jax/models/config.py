@@ -121,6 +121,18 @@ def _eos_ids(raw) -> tuple:
     return tuple(raw) if isinstance(raw, (list, tuple)) else (raw,)
 
 
+def check_special_ids(hf: dict, vocab: int, where: str) -> None:
+    """bos_token_id and eos_token_id (one id or a list) are token ids in [0, vocab_size), or
+    absent: an EOS outside the vocabulary could never stop a generation."""
+    for key in ("bos_token_id", "eos_token_id"):
+        value = hf.get(key)
+        ids = value if key == "eos_token_id" and isinstance(value, list) else [value]
+        if value is not None and not all(isinstance(i, int) and not isinstance(i, bool)
+                                         and 0 <= i < vocab for i in ids):
+            what = "a token id or a list of them" if key == "eos_token_id" else "a token id"
+            raise ValueError(f"{where} {key}={value!r} must be {what} in [0, vocab_size={vocab})")
+
+
 def model_config_from_hf(hf: dict, source: str = "config.json") -> ModelConfig:
     """Map a Hugging Face config dict to a ModelConfig; unsupported architectures fail here."""
     archs = hf.get("architectures") or [ARCH_OF_MODEL_TYPE.get(hf.get("model_type"), "")]
@@ -133,6 +145,7 @@ def model_config_from_hf(hf: dict, source: str = "config.json") -> ModelConfig:
     where = f"{source}:"
     hidden, heads = positive_int(hf, "hidden_size", where), positive_int(hf, "num_attention_heads",
                                                                          where)
+    check_special_ids(hf, positive_int(hf, "vocab_size", where), where)
     rope_params = hf.get("rope_parameters") or {}
     fields = dict(
         vocab_size=positive_int(hf, "vocab_size", where), hidden_size=hidden,

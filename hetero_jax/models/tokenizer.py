@@ -51,17 +51,22 @@ class HFTokenizer:
         try:  # trust_remote_code=False: no prompt on a terminal, no import from model_dir
             self._tok = AutoTokenizer.from_pretrained(model_dir, local_files_only=True,
                                                       trust_remote_code=False)
-        except (ValueError, OSError) as e:
+        except Exception as e:  # noqa: BLE001 - whatever the files do, the error names them
             custom = _auto_maps(model_dir)
-            if not custom:
-                raise
-            raise ValueError(f"{model_dir}: the tokenizer needs custom code (auto_map in "
-                             f"{', '.join(custom)}) and transformers has no built-in class "
-                             f"for it; hetero-jax never runs code from a model directory") from e
+            if custom:
+                raise ValueError(f"{model_dir}: the tokenizer needs custom code (auto_map in "
+                                 f"{', '.join(custom)}) and transformers has no built-in class "
+                                 "for it; hetero-jax never runs code from a model directory"
+                                 ) from e
+            files = [f for f in _TOKENIZER_FILES if os.path.isfile(os.path.join(model_dir, f))]
+            raise ValueError(f"{model_dir}: its tokenizer files ({', '.join(files)}) cannot be "
+                             f"loaded: {type(e).__name__}: {e}") from e
         self.bos_token_id = self._tok.bos_token_id
         own = () if self._tok.eos_token_id is None else (self._tok.eos_token_id,)
         self.eos_token_ids = tuple(dict.fromkeys(eos_token_ids + own))
         self.special_token_ids = frozenset(self._tok.all_special_ids)
+        # ids it can give: its length, or past it when a vocabulary file skips ids
+        self.vocab_size = max(len(self._tok), max(self._tok.get_vocab().values(), default=-1) + 1)
 
     def encode(self, text: str) -> list[int]:
         return list(self._tok.encode(text))
@@ -73,8 +78,35 @@ class HFTokenizer:
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
 
 
-def load_tokenizer(model_dir: str, eos_token_ids: tuple):
-    """The directory's tokenizer, or None when it ships none (token-id inputs only)."""
-    if not any(os.path.isfile(os.path.join(model_dir, f)) for f in _TOKENIZER_FILES):
+def check_tokenizer_files(model_dir: str) -> None:
+    """ValueError naming the file when `tokenizer.json` or `tokenizer_config.json` is not a
+    JSON object of the expected shape (before transformers reads them: its errors name no
+    file, and random bytes took it 90 s to refuse)."""
+    for name, keys in (("tokenizer.json", {"model": dict, "added_tokens": list}),
+                       ("tokenizer_config.json", {})):
+        path = os.path.join(model_dir, name)
+        if not os.path.isfile(path):
+            continue
+        raw = read_json(path)
+        for key, kind in keys.items():
+            if not isinstance(raw.get(key), kind):
+                got = "nothing" if key not in raw else type(raw[key]).__name__
+                raise ValueError(f"{path}: {key!r} must be a JSON "
+                                 f"{'object' if kind is dict else 'list'} (got {got}): not a "
+                                 "Hugging Face tokenizers file")
+
+
+def load_tokenizer(model_dir: str, eos_token_ids: tuple, vocab_size: int | None = None):
+    """The directory's tokenizer, or None when it ships none (token-id inputs only). With
+    `vocab_size` (the model's), a tokenizer of more tokens is refused naming its file."""
+    files = [f for f in _TOKENIZER_FILES if os.path.isfile(os.path.join(model_dir, f))]
+    if not files:
         return None
-    return HFTokenizer(model_dir, eos_token_ids)
+    check_tokenizer_files(model_dir)
+    tokenizer = HFTokenizer(model_dir, eos_token_ids)
+    if vocab_size is not None and tokenizer.vocab_size > vocab_size:
+        raise ValueError(f"{os.path.join(model_dir, files[0])}: the tokenizer has "
+                         f"{tokenizer.vocab_size} tokens (ids up to {tokenizer.vocab_size - 1}), "
+                         f"more than the model's vocab_size={vocab_size} (config.json): the "
+                         "tokenizer of another model?")
+    return tokenizer

@@ -7,9 +7,10 @@
 In: argv. Every check runs before any model work, and before jax is imported but for
 `--tensor-parallel N > 1`'s (against the model's heads and the devices jax sees, after the
 file checks); each failure is a `parser.error` (exit status 2) naming the value: INPUT must
-be a batch input (`rows.check_input`), OUTPUT and ERRORS writable and apart from each other
-and from INPUT, OUTPUT resumable (`OutputJournal.open` locks it, reads the ids it holds and
-cuts a torn last line). Then
+be a batch input (`rows.open_source`: a regular file, or a pipe, FIFO or `/dev/stdin`, read
+once), OUTPUT and ERRORS regular files (or `-`: stdout, not resumable, and stderr) that can be
+written, apart from each other and from INPUT, OUTPUT resumable (`OutputJournal.open` locks
+it, reads the ids it holds and cuts a torn last line), ERRORS not another job's (locked). Then
 `make_front` builds the engine and its front (the one place that knows what serves the rows:
 one `Engine` stepped in this process, or with `--replicas N` a `ReplicaSet` of N engine
 processes, one core each, behind the prefix-affinity router, or with `--ray` N Ray actors
@@ -28,13 +29,14 @@ import os
 import sys
 import time
 
+from hetero_jax.config import size_relation
 from hetero_jax.models.presets import PRESETS, preset_config
 from hetero_jax.offline.job import EngineFront, Tally, count_to_run, run_job
-from hetero_jax.offline.journal import ErrorLog, OutputError, OutputJournal
+from hetero_jax.offline.journal import STDIO, ErrorLog, OutputError, OutputJournal
 from hetero_jax.offline.ray_data import check_ray_data
 from hetero_jax.offline.ray_data import make_front as ray_data_front
 from hetero_jax.offline.replica_front import ReplicaFront
-from hetero_jax.offline.rows import InputError, check_input, read_rows
+from hetero_jax.offline.rows import InputError, Source, open_source, read_rows
 from hetero_jax.sched import POLICIES
 from hetero_jax.serving.device_groups import visible_gpus
 from hetero_jax.sim.options import compile_cache_dir, int_range, output_file, \
@@ -52,18 +54,33 @@ def model_dir(text: str) -> str:
     return text
 
 
+def journal_file(text: str) -> str:
+    """An argparse type for --output and --errors: `-`, or a regular file that can be written
+    (the job locks, scans and appends to it: a device, FIFO or socket cannot be resumed)."""
+    if text == STDIO:
+        return text
+    output_file(text)
+    if os.path.exists(text) and not os.path.isfile(text):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a regular file (a device, FIFO or socket cannot be locked and "
+            "resumed); give a regular file, or - for stdout (--output, no resume) or stderr "
+            "(--errors)")
+    return text
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hetero-jax batch", description="Embed and generate for "
                                 "every row of a JSONL (or Parquet) file on one engine; resumable.")
     ints = {name: int_range(*limits) for name, limits in LIMITS.items()}
     p.add_argument("input", metavar="INPUT", help="JSONL rows {id, embed | prompt, knobs...} "
-                   "(Parquet with pyarrow installed)")
-    p.add_argument("--output", type=output_file, required=True, metavar="OUTPUT",
-                   help="JSONL results, one row per id, appended as rows finish; a rerun "
-                   "skips the ids it holds")
-    p.add_argument("--errors", type=output_file, default=None, metavar="PATH",
-                   help=f"rows that failed, with line numbers (default: OUTPUT{ERRORS_SUFFIX}; "
-                   "rewritten by every run)")
+                   "(Parquet with pyarrow installed); a pipe, FIFO or /dev/stdin is read once")
+    p.add_argument("--output", type=journal_file, required=True, metavar="OUTPUT",
+                   help="JSONL results (a regular file), one row per id, appended as rows "
+                   "finish; a rerun skips the ids it holds. - for stdout (no resume; the "
+                   "summary then goes to stderr)")
+    p.add_argument("--errors", type=journal_file, default=None, metavar="PATH",
+                   help=f"rows that failed, with line numbers (default: OUTPUT{ERRORS_SUFFIX}, "
+                   "or stderr for --output -; rewritten by every run; - for stderr)")
     p.add_argument("--preset", default="tiny", choices=list(PRESETS),
                    help="embedded model (random weights, no download)")
     p.add_argument("--model", type=model_dir, default=None, metavar="DIR",
@@ -110,7 +127,8 @@ class Plan:
 
     journal: OutputJournal
     errors: ErrorLog
-    rows: int  # rows this run hands to the engine
+    source: Source
+    rows: int | None  # rows this run hands to the engine (None: a stream, not counted)
 
 
 def check(parser: argparse.ArgumentParser, args) -> Plan:
@@ -123,34 +141,40 @@ def check(parser: argparse.ArgumentParser, args) -> Plan:
     if args.replicas > cores and args.ray in (None, "local"):
         parser.error(f"argument --replicas: {args.replicas} replicas need one CPU core each; "
                      f"this process may use {cores}")
-    try:
-        check_input(args.input)
-    except InputError as e:
-        parser.error(f"argument INPUT: {e}")
     if args.errors is None:
-        args.errors = args.output + ERRORS_SUFFIX
-        problem = output_problem(args.errors)
+        args.errors = STDIO if args.output == STDIO else args.output + ERRORS_SUFFIX
+        problem = None if args.errors == STDIO else output_problem(args.errors)
         if problem:
             parser.error(f"argument --errors: cannot write {args.errors!r} (OUTPUT"
                          f"{ERRORS_SUFFIX}): {problem}")
     paths = {"INPUT": args.input, "--output": args.output, "--errors": args.errors}
     seen = {}
     for flag, path in paths.items():
+        if path == STDIO:
+            continue
         other = seen.setdefault(os.path.realpath(path), flag)
         if other != flag:
             parser.error(f"argument {flag}: {path!r} is {other} too; pick another path")
     check_tensor_parallel(parser, args)
+    relation = size_relation(args.token_budget, args.chunk_size, args.max_num_seqs, 1)
+    if relation:
+        parser.error(f"argument --{relation[0].replace('_', '-')}: {relation[1]}")
+    try:
+        source = open_source(args.input)
+    except InputError as e:
+        parser.error(f"argument INPUT: {e}")
     try:
         journal = OutputJournal.open(args.output)
     except OutputError as e:
         parser.error(f"argument --output: {e}")
     try:
-        rows = count_to_run(read_rows(args.input, args.seed), journal.done)
+        rows = None if source.stream else count_to_run(read_rows(source, args.seed),
+                                                       journal.done)
         errors = ErrorLog(args.errors)
     except (InputError, OutputError) as e:
         journal.close()
         parser.error(f"argument {'INPUT' if isinstance(e, InputError) else '--errors'}: {e}")
-    return Plan(journal, errors, rows)
+    return Plan(journal, errors, source, rows)
 
 
 def check_tensor_parallel(parser: argparse.ArgumentParser, args) -> None:
@@ -239,15 +263,17 @@ def batch_main(argv=None) -> int:
 
 
 def _run(parser, args, plan: Plan, start: float) -> int:
-    done = len(plan.journal.done)
-    print(f"input: {args.input}; {plan.rows} rows to run, {done} already in {args.output}"
+    done, say = len(plan.journal.done), info_stream(args)
+    rows = (f"{plan.rows} rows to run" if plan.rows is not None else
+            "a stream, read once: its rows are counted as they run")
+    print(f"input: {args.input}; {rows}, {done} already in {args.output}"
           + (f" (a torn last line of {plan.journal.dropped_bytes} bytes, left by a killed "
-             "run, was cut)" if plan.journal.dropped_bytes else ""), flush=True)
+             "run, was cut)" if plan.journal.dropped_bytes else ""), file=say, flush=True)
     try:
         front, engine, line = make_front(args)
     except (ValueError, FileNotFoundError) as e:
         parser.exit(2, f"hetero-jax batch: error: {e}\n")
-    print(line, flush=True)
+    print(line, file=say, flush=True)
     from tqdm.auto import tqdm
 
     bar = tqdm(total=plan.rows, unit="row", desc="rows", disable=args.no_progress)
@@ -257,7 +283,7 @@ def _run(parser, args, plan: Plan, start: float) -> int:
         bar.set_postfix(tok_s=f"{tally.gen_tokens / max(tally.wall_s, 1e-9):.1f}", refresh=False)
 
     try:
-        tally = run_job(read_rows(args.input, args.seed), front, plan.journal, plan.errors,
+        tally = run_job(read_rows(plan.source, args.seed), front, plan.journal, plan.errors,
                         on_batch)
     except KeyboardInterrupt:
         print("\ninterrupted; the rows written are kept: rerun the same command to resume",
@@ -275,13 +301,18 @@ def _run(parser, args, plan: Plan, start: float) -> int:
     return 0
 
 
+def info_stream(args):
+    """Where the command's own lines go: stdout, or stderr when the rows go to stdout."""
+    return sys.stderr if args.output == STDIO else sys.stdout
+
+
 def print_summary(args, t: Tally, stats, total_s: float) -> None:
-    wall = max(t.wall_s, 1e-9)
+    wall, say = max(t.wall_s, 1e-9), info_stream(args)
     print(f"{t.written} rows in {t.wall_s:.1f} s: {t.written / wall:.2f} rows/s ({t.embeds} "
           f"embeddings, {t.gens} generations); {t.gen_tokens} tokens generated "
           f"({t.gen_tokens / wall:.1f} tokens/s), {t.prompt_tokens} input tokens "
           f"({t.prompt_tokens / wall:.1f} tokens/s); {stats.compile_s:.1f} s of it compiling "
-          f"{stats.compiles} step variants")
+          f"{stats.compiles} step variants", file=say)
     print(f"{args.output}: {t.written} rows written, {t.skipped} already there; {args.errors}: "
           f"{t.errors} rows ({t.bad_rows} bad rows, {t.refused} refused by the engine, "
-          f"{t.failed} failed running); {total_s:.1f} s in all")
+          f"{t.failed} failed running); {total_s:.1f} s in all", file=say)

@@ -12,12 +12,19 @@ the file is not a batch job's output: it is refused and left as it was.
 ERRORS (`ErrorLog`) is started afresh by every run: it lists the rows of that run that did not
 reach OUTPUT, one JSON object a line (`rows.error_row`), each batch flushed and fsynced. A
 rerun retries them, so after a run that finished every input row is in OUTPUT or in ERRORS.
+ERRORS is locked like OUTPUT, before it is emptied: a second job naming it is refused.
+
+`-` (`STDIO`) is the one name that is no file: OUTPUT `-` writes the rows to stdout with
+nothing to resume (`OutputJournal.open` neither locks nor scans it), ERRORS `-` to stderr.
 """
 from __future__ import annotations
 
 import fcntl
 import json
 import os
+import sys
+
+STDIO = "-"
 
 
 class OutputError(ValueError):
@@ -42,18 +49,11 @@ class OutputJournal:
 
     @classmethod
     def open(cls, path: str) -> "OutputJournal":
-        """Lock OUTPUT (created if missing), read its ids, cut a torn last line."""
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError as e:
-            raise OutputError(f"cannot write {path!r}: {e.strerror or e}") from None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            raise OutputError(f"{path!r} is being written by another batch job; wait for it "
-                              "or pick another output") from None
+        """Lock OUTPUT (created if missing), read its ids, cut a torn last line; `-`: stdout,
+        nothing to resume."""
+        if path == STDIO:
+            return cls(path, -1, set(), 0)
+        fd = _open_locked(path, os.O_RDWR)
         try:
             done, end = scan_output(path, fd)
             size = os.fstat(fd).st_size
@@ -73,7 +73,10 @@ class OutputJournal:
             if r["id"] not in self.done:
                 self.done.add(r["id"])
                 fresh.append(r)
-        if fresh:
+        if fresh and self.path == STDIO:
+            sys.stdout.write(encode(fresh).decode())
+            sys.stdout.flush()
+        elif fresh:
             _write_all(self._fd, encode(fresh))
             os.fsync(self._fd)
         return fresh
@@ -108,23 +111,46 @@ def scan_output(path: str, fd: int) -> tuple[set, int]:
     return done, end
 
 
+def _open_locked(path: str, flags: int) -> int:
+    """A file descriptor of `path` (created if missing) under an exclusive `flock`, or an
+    OutputError naming the file when it cannot be opened or another job holds it."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    try:
+        fd = os.open(path, flags | os.O_CREAT, 0o644)
+    except OSError as e:
+        raise OutputError(f"cannot write {path!r}: {e.strerror or e}") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise OutputError(f"{path!r} is being written by another batch job; wait for it "
+                          "or pick another path") from None
+    return fd
+
+
 class ErrorLog:
-    """ERRORS, emptied when opened; `append` writes a batch of error rows and fsyncs."""
+    """ERRORS, locked and emptied when opened (`-`: stderr); `append` writes a batch of error
+    rows and fsyncs."""
 
     def __init__(self, path: str):
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         self.path, self.count = path, 0
-        try:
-            self._file = open(path, "wb")
-        except OSError as e:
-            raise OutputError(f"cannot write {path!r}: {e.strerror or e}") from None
+        if path == STDIO:
+            self._file = None
+            return
+        fd = _open_locked(path, os.O_WRONLY)
+        os.ftruncate(fd, 0)
+        self._file = os.fdopen(fd, "wb")
 
     def append(self, rows: list) -> None:
-        if rows:
+        if rows and self._file is None:
+            sys.stderr.write(encode(rows).decode())
+            sys.stderr.flush()
+        elif rows:
             self._file.write(encode(rows))
             self._file.flush()
             os.fsync(self._file.fileno())
-            self.count += len(rows)
+        self.count += len(rows)
 
     def close(self) -> None:
-        self._file.close()
+        if self._file is not None:
+            self._file.close()

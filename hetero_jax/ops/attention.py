@@ -55,6 +55,9 @@ def _attend(q, k, v, q_pos, kv_lens, sm_scale):
     visible = (key_pos <= pos[:, :, None]) & (key_pos < kv_lens[:, None, None])
     probs = jax.nn.softmax(jnp.where(visible[:, None], scores * sm_scale, _MASKED), axis=-1)
     probs = probs.astype(v.dtype)
+    # stale slots past kv_len get weight 0, and 0 * NaN is NaN: a page a failed request left
+    # NaN must not reach the next request it is given to (the Pallas kernel does the same)
+    vm = jnp.where((key_pos < kv_lens[:, None])[:, None, :, None], vm, 0)
     out = jnp.einsum("shmk,shkd->shmd", probs, vm, preferred_element_type=jnp.float32)
     return out.reshape(s, hkv, g, nq, d).transpose(0, 3, 1, 2, 4).reshape(s, nq, hq, d)
 
@@ -69,6 +72,7 @@ def _attend_last(q, k, v, kv_lens, sm_scale):
     scores = jnp.einsum("shgd,slhd->slhg", qg, k, preferred_element_type=jnp.float32)
     visible = (jnp.arange(length)[None, :] < kv_lens[:, None])[:, :, None, None]
     probs = jax.nn.softmax(jnp.where(visible, scores * sm_scale, _MASKED), axis=1)
+    v = jnp.where(visible, v, 0)  # stale slots: 0 * NaN (see _attend)
     out = jnp.einsum("slhg,slhd->shgd", probs.astype(v.dtype), v,
                      preferred_element_type=jnp.float32)
     return out.reshape(s, hq, d)

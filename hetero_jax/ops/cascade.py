@@ -94,6 +94,7 @@ def _shared_part(q, k_pages, v_pages, meta: CascadeMeta, sm_scale):
     v = _gather(v_pages, meta.tile_pages).transpose(0, 2, 1, 3)
     scores = jnp.einsum("ghmd,ghkd->ghmk", qt, k, preferred_element_type=jnp.float32)
     visible = (jnp.arange(k.shape[2]) < meta.tile_lens[:, None, None, None])
+    v = jnp.where(visible.transpose(0, 1, 3, 2), v, 0)  # stale slots: 0 * NaN is NaN
     out, lse = _softmax_parts(scores * sm_scale, visible, v, "ghmk,ghkd->ghmd")
     out = out.reshape(g_tiles, hkv, rows, grp, d).transpose(0, 2, 1, 3, 4)
     lse = lse.reshape(g_tiles, hkv, rows, grp).transpose(0, 2, 1, 3)
@@ -113,6 +114,7 @@ def _rest_part(q, k_pages, v_pages, meta: CascadeMeta, sm_scale):
     qg = q.reshape(sd, hkv, hq // hkv, d)
     scores = jnp.einsum("shgd,slhd->shgl", qg, k, preferred_element_type=jnp.float32)
     visible = (jnp.arange(k.shape[1]) < meta.rest_lens[:, None])[:, None, None, :]
+    v = jnp.where(visible[:, 0, 0, :, None, None], v, 0)  # stale slots: 0 * NaN is NaN
     out, lse = _softmax_parts(scores * sm_scale, visible, v, "shgl,slhd->shgd")
     return out.reshape(sd, hq, d), lse.reshape(sd, hq)
 

@@ -139,4 +139,9 @@ def load(path: str, targets=None):
                              f"({_short(e)})") from e
     check_params({k: (v.shape, v.dtype) for k, v in _flat(params).items()}, cfg, params_dir,
                  meta_path)
+    bad = {k: int(jnp.size(v) - jnp.sum(jnp.isfinite(v))) for k, v in _flat(params).items()}
+    name = next((k for k, n in bad.items() if n), None)
+    if name is not None:
+        raise ValueError(f"{params_dir}: param {name} holds {bad[name]} non-finite values (NaN "
+                         "or Inf): the checkpoint is corrupt, or overflowed when it was saved")
     return cfg, params, _tokenizer(kind, path, cfg)

@@ -35,6 +35,7 @@ from hetero_jax.models.tokenizer import ByteTokenizer, load_tokenizer
 from hetero_jax.outputs import EngineStats
 from hetero_jax.runner.batch import pack_batch
 from hetero_jax.runner.decoder import DecoderRunner
+from hetero_jax.runner.memory import check_memory
 from hetero_jax.runner.sharding import ShardedDecoderRunner, check_tensor_parallel, \
     restore_targets, unexpand_kv_heads
 from hetero_jax.sched import RunnerOutput, Scheduler, SchedulerConfig
@@ -57,13 +58,7 @@ class Engine(BatchAPI):
         (`runner.sharding`), checked against the model before any params are placed."""
         _check_tensor_parallel(model_cfg, config)
         dtype = _dtype(config)
-        config = config or EngineConfig()
-        config = dataclasses.replace(config, dtype=dtype.name,
-                                     attention_impl=config.impl_on(jax.default_backend()))
-        kv_bytes = 2 * model_cfg.num_layers * model_cfg.num_kv_heads * model_cfg.head_dim * dtype.itemsize
-        # Sliding-window attention is not implemented: within the window it equals full attention.
-        max_len = min(model_cfg.max_position_embeddings, model_cfg.sliding_window or 2**31)
-        self.config = c = (config or EngineConfig()).resolve(max_len, kv_bytes)
+        self.config = c = _resolved(model_cfg, config)  # the sizes checked against memory
         self.model_cfg, self.tokenizer, self.encoder = model_cfg, tokenizer, encoder
         # With tensor_parallel the weights stay on the host, or as sharded as they came (an
         # engine checkpoint restored into its shardings): the sharded runner places the rest.
@@ -108,6 +103,7 @@ class Engine(BatchAPI):
         """An embedded model (random weights from `seed`); `embed_model` as in from_pretrained."""
         cfg = preset_config(name)
         _check_tensor_parallel(cfg, config)
+        _resolved(cfg, config)  # sizes against memory, before the weights are made
         dtype = _dtype(config)
         encoder = SeparateEncoder.from_pretrained(embed_model, dtype) if embed_model else None
         on_host = (config or EngineConfig()).tensor_parallel > 1  # the runner places shards
@@ -128,12 +124,14 @@ class Engine(BatchAPI):
         dtype = _dtype(config)
         model_cfg = read_model_config(path)
         _check_tensor_parallel(model_cfg, config)  # before the weights are read
+        _resolved(model_cfg, config)  # and the sizes against memory
         params = load_params(path, model_cfg, dtype,
                              on_host=(config or EngineConfig()).tensor_parallel > 1)
         encoder = SeparateEncoder.from_pretrained(embed_model, dtype) if embed_model else None
         dirs = {"default": embed_adapter} if isinstance(embed_adapter, str) else embed_adapter
         adapters = {name: load_adapter(d, model_cfg, dtype) for name, d in (dirs or {}).items()}
-        return cls(model_cfg, params, load_tokenizer(path, model_cfg.eos_token_ids), config,
+        return cls(model_cfg, params, load_tokenizer(path, model_cfg.eos_token_ids,
+                                                       model_cfg.vocab_size), config,
                    encoder, adapters)
 
     def save(self, path: str) -> None:
@@ -220,7 +218,8 @@ class Engine(BatchAPI):
 
         When running the step raises, the items whose own data cannot be packed are failed
         alone (`finish_reason="error"`, pages and slots freed) and the others run next step;
-        when no item is to blame, the error is raised.
+        when no item is to blame, the error is raised. A request whose sampled token or
+        embedding comes back NaN or Inf fails alone the same way (`_fail_non_finite`).
         """
         with self._lock:
             out = self.scheduler.schedule()
@@ -229,9 +228,10 @@ class Engine(BatchAPI):
                 runner_out = self._execute(out)
             except Exception as error:
                 return self._fail_culprits(out, error)
+            failed = self._fail_non_finite(runner_out)
             finished = self.scheduler.update(out, runner_out, time.perf_counter())
             self._account(out, runner_out)
-            return finished
+            return failed + finished
 
     def abort(self, request_id) -> None:
         """Drop a request wherever it is; the scheduler frees its pages and pooler slot."""
@@ -277,13 +277,25 @@ class Engine(BatchAPI):
                 culprits.append((item.request_id, e))
         if not culprits:
             raise error
-        failed = []
-        for rid, e in culprits:
-            req = self.scheduler.requests[rid]
-            self.scheduler.abort(rid)
-            req.finish_reason, req.error, req.finish_time = "error", e, time.perf_counter()
-            failed.append(req)
-        return failed
+        return [self._fail(rid, e) for rid, e in culprits]
+
+    def _fail_non_finite(self, runner_out) -> list:
+        """Fail the requests whose sampled token (its log-probability) or embedding came back
+        NaN or Inf: what the model made of their inputs overflowed. The step's others go on."""
+        bad = [(rid, "sampled token's log-probability") for rid, t in runner_out.sampled.items()
+               if not np.isfinite(t.logprob)]
+        bad += [(rid, "embedding") for rid, v in runner_out.embeddings.items()
+                if not np.isfinite(v).all()]
+        return [self._fail(rid, FloatingPointError(
+            f"the model's output for it is not finite (NaN or Inf in its {what}): the weights "
+            "or its activations overflowed")) for rid, what in bad]
+
+    def _fail(self, rid, error: Exception):
+        """Abort a request (its pages and slot freed) as failed with `error`; -> its handle."""
+        req = self.scheduler.requests[rid]
+        self.scheduler.abort(rid)
+        req.finish_reason, req.error, req.finish_time = "error", error, time.perf_counter()
+        return req
 
     def _account(self, out, runner_out) -> None:
         s = self.stats
@@ -314,6 +326,23 @@ def _as_dtype(x, dtype, keep_placement: bool):
     if not keep_placement:
         return jnp.asarray(x, dtype)
     return x.astype(dtype) if isinstance(x, jax.Array) else np.asarray(x, dtype)
+
+
+def _resolved(model_cfg: ModelConfig, config: EngineConfig | None) -> EngineConfig:
+    """The config on this process's backend (dtype and attention impl "auto" made concrete),
+    with every None filled from the model and its sizes checked against the memory they imply
+    (`runner.memory.check_memory`: a ValueError naming the knob and the bytes)."""
+    config = config or EngineConfig()
+    backend = jax.default_backend()
+    config = dataclasses.replace(config, dtype=config.dtype_on(backend),
+                                 attention_impl=config.impl_on(backend))
+    itemsize = jnp.dtype(config.dtype).itemsize
+    kv_bytes = 2 * model_cfg.num_layers * model_cfg.num_kv_heads * model_cfg.head_dim * itemsize
+    # Sliding-window attention is not implemented: within the window it equals full attention.
+    max_len = min(model_cfg.max_position_embeddings, model_cfg.sliding_window or 2**31)
+    resolved = config.resolve(max_len, kv_bytes)
+    check_memory(model_cfg, resolved, itemsize)
+    return resolved
 
 
 def _check_tensor_parallel(model_cfg: ModelConfig, config: EngineConfig | None) -> None:

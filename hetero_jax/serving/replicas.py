@@ -26,11 +26,14 @@ replica's load until it finishes, and with prefix caching hashes its prompt's fu
 under the chain seed the engine would give them, so the router sees the digests each
 replica's cache holds (`routed.RoutedReplicas` holds what this and `RayReplicaSet` share). A
 replica whose process dies fails its requests in flight with a RuntimeError naming it, its
-exit code and their count; the router sends nothing more there; the others go on.
+exit code and their count; the router sends nothing more there (`submit` asks whether each
+process is alive before it routes, so a replica that died idle gets no work either); the
+others go on.
 """
 from __future__ import annotations
 
 import multiprocessing
+import multiprocessing.connection
 import os
 import queue
 import threading
@@ -177,6 +180,11 @@ class ReplicaSet(RoutedReplicas):
         return out
 
     # -- transport -----------------------------------------------------------------------
+    def _running(self, replica: int) -> bool:
+        # the sentinel closes when the process ends; is_alive() can say True for a dead one
+        # while its reader thread is reaping it (two waitpid calls race)
+        return not multiprocessing.connection.wait([self._procs[replica].sentinel], 0)
+
     def _dispatch(self, batches: dict) -> None:
         for replica, items in batches.items():
             self._send(replica, ("add", items))

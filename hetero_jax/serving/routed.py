@@ -58,6 +58,11 @@ class RoutedReplicas(BatchAPI):
     def collect(self, timeout: float | None = None) -> list:
         raise NotImplementedError
 
+    def _running(self, replica: int) -> bool:
+        """Whether the replica's process is still there, asked before routing to it (its
+        requests in flight fail when `collect` hears of its end, as before)."""
+        return True
+
     @property
     def max_model_len(self) -> int:
         return self.config.max_model_len
@@ -106,7 +111,7 @@ class RoutedReplicas(BatchAPI):
                 if not refuse:
                     raise
                 keyed.append(e)
-        live = [k for k in range(self.num_replicas) if self.alive[k]]
+        live = [k for k in range(self.num_replicas) if self.alive[k] and self._running(k)]
         if not live:
             raise RuntimeError(f"every one of the {self.num_replicas} replicas is down")
         batches, out = {}, []  # replica -> [(tag, request)]

@@ -148,12 +148,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="shared-prefix: tokens of each request's own suffix")
     w.add_argument("--control", action="store_true", help="shared-prefix: also run the same "
                    "lengths with nothing shared (rows '<policy> unshared')")
-    w.add_argument("--arrival", default="poisson", choices=ARRIVALS)
+    w.add_argument("--arrival", default="poisson", choices=ARRIVALS,
+                   help="poisson: open-loop arrivals at --rate; closed: --clients, each waiting "
+                   "for its last request; burst: every request at time 0")
     w.add_argument("--rate", type=real_range(0, open_lo=True), default=20.0,
                    help="requests/s (poisson)")
     w.add_argument("--clients", type=ints["clients"], default=32, help="closed-loop clients")
-    w.add_argument("--order", default="mixed", choices=ORDERS)
-    w.add_argument("--seed", type=int, default=0)
+    w.add_argument("--order", default="mixed", choices=ORDERS,
+                   help="the order of embedding and generation requests in the workload")
+    w.add_argument("--seed", type=int, default=0, help="workload lengths and arrival times")
     p.add_argument("--json", metavar="PATH", type=output_file,
                    help="also write the results as JSON")
     return p

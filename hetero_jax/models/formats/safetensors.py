@@ -4,8 +4,8 @@ into a params pytree with stacked layers.
 In: a model directory with `model.safetensors` or a sharded `model.safetensors.index.json`
 (whose entries must stay inside the directory). Out: numpy arrays, checked against the shapes
 the config expects. A header whose byte spans do not match their shapes or overlap, a missing,
-truncated, mis-shaped or unaccounted-for tensor fails naming the file and the tensor. No jax,
-no torch.
+truncated, mis-shaped, unaccounted-for or non-finite (NaN, Inf or beyond +-MAX_WEIGHT, checked
+block by block as it is read) tensor fails naming the file and the tensor. No jax, no torch.
 """
 from __future__ import annotations
 
@@ -25,6 +25,9 @@ _DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, "F6
 _ITEMSIZE = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "I16": 2, "U16": 2,
              "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
 _MAX_HEADER = 100_000_000  # bytes; the safetensors library's own limit
+# A weight beyond this (sqrt of float32's max) is corruption (a flipped exponent bit): its
+# square overflows, and a norm over it returns zeros or NaN. Trained weights stay far below.
+MAX_WEIGHT = 1.8e19
 _INDEX = "model.safetensors.index.json"
 
 
@@ -55,7 +58,8 @@ def _span(path: str, name: str, info) -> tuple:
 
 
 class SafetensorsFile:
-    """Lazy reader of one .safetensors file: `names`, `shape(name)`, `get(name) -> np.ndarray`.
+    """Lazy reader of one .safetensors file: `names`, `shape(name)`, `get(name) -> np.ndarray`
+    (refused when it holds a NaN or Inf).
 
     The header is checked when the file is opened: every tensor's byte span matches its shape
     and dtype, lies inside the file and overlaps no other tensor's."""
@@ -109,6 +113,12 @@ class SafetensorsFile:
             raise ValueError(f"{self.path}: tensor {name} has unsupported dtype {info['dtype']}")
         arr = np.memmap(self.path, dtype=_DTYPES[info["dtype"]], mode="r",
                         offset=self.data_start + info["data_offsets"][0], shape=self.shape(name))
+        bad = count_non_finite(arr)
+        if bad:
+            raise ValueError(f"{self.path}: tensor {name} holds {bad} non-finite "
+                             f"value{'s' if bad > 1 else ''} (NaN, Inf or beyond "
+                             f"+-{MAX_WEIGHT:g}) of {arr.size}: the checkpoint is corrupt, or "
+                             "overflowed when it was saved")
         return np.asarray(arr)
 
 
@@ -160,6 +170,17 @@ def open_checkpoint(model_dir: str) -> dict:
         raise FileNotFoundError(f"no model.safetensors or {_INDEX} in {model_dir}")
     f = SafetensorsFile(single)
     return {name: f for name in f.names}
+
+
+def count_non_finite(arr: np.ndarray, block: int = 2**24) -> int:
+    """How many values of `arr` are NaN, Inf or beyond +-MAX_WEIGHT (0 for integers), read in
+    blocks of `block` elements so the check never holds more than a block's mask."""
+    if not np.issubdtype(arr.dtype, np.inexact) and arr.dtype != ml_dtypes.bfloat16:
+        return 0
+    flat = arr.reshape(-1)
+    return sum(int(flat[i:i + block].size - np.count_nonzero(
+        np.abs(flat[i:i + block].astype(np.float32, copy=False)) <= MAX_WEIGHT))  # NaN: False
+        for i in range(0, flat.size, block))
 
 
 def read_tensor(tensors: dict, name: str, shape: tuple, transpose: bool) -> np.ndarray:
