@@ -4,12 +4,14 @@
     hetero-jax sim [--policy ibs] [--cost roofline:h200] ...
     hetero-jax bench [--preset small] [--ratios 9:1,5:5,1:9] [--json PATH] [--plot PATH] ...
     hetero-jax batch INPUT --output OUTPUT [--preset tiny | --model DIR] [--errors PATH] ...
+    hetero-jax train-adapter --pairs PATH --output DIR [--preset tiny | --model DIR] ...
 
 `generate` runs a batch generation with a progress bar and prints a throughput summary (the
 bench's `bench.loop.summarize` over the outputs; `--json` writes it);
 `sim` runs a scheduling policy in the discrete-event simulator (`hetero_jax.sim`);
 `bench` runs every scheduler on the same closed-loop workload (`hetero_jax.bench`);
-`batch` runs an offline, resumable batch job over a file of rows (`hetero_jax.offline`).
+`batch` runs an offline, resumable batch job over a file of rows (`hetero_jax.offline`);
+`train-adapter` fits a LoRA embedding adapter (`hetero_jax.train`).
 Each command checks its flags, and that the paths it will write can be written, before any
 work (`generate` and `batch` before they import jax): a bad one is an argparse error, exit status 2.
 """
@@ -83,6 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "(hetero-jax bench --help)", add_help=False)
     sub.add_parser("batch", help="resumable offline job: embed and generate for every row of "
                    "a JSONL file (hetero-jax batch --help)", add_help=False)
+    sub.add_parser("train-adapter", help="fit a LoRA embedding adapter with optax, written "
+                   "as PEFT (hetero-jax train-adapter --help)", add_help=False)
     g = sub.add_parser("generate", help="batch generation with a throughput summary")
     ints = {name: int_range(*limits) for name, limits in LIMITS.items()}
     g.add_argument("--preset", default="small", choices=list(PRESETS),
@@ -128,6 +132,9 @@ def main(argv=None) -> int:
     if argv[:1] == ["batch"]:  # checks everything before jax
         from hetero_jax.offline.cli import batch_main
         return batch_main(argv[1:])
+    if argv[:1] == ["train-adapter"]:  # checks its flags before jax
+        from hetero_jax.train.cli import train_main
+        return train_main(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

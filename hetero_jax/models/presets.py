@@ -6,6 +6,8 @@
 """
 from __future__ import annotations
 
+import os
+
 from hetero_jax.models.config import ModelConfig
 from hetero_jax.models.tokenizer import ByteTokenizer
 
@@ -27,3 +29,15 @@ def preset_config(name: str) -> ModelConfig:
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; available: {', '.join(PRESETS)}")
     return PRESETS[name]
+
+
+# presets whose trained weights ship in preset_weights/<name> (a model directory with its
+# embedding adapter in adapter/); the others are random from a seed
+SHIPPED = ()
+
+
+def preset_dir(name: str) -> str | None:
+    """The model directory of a preset shipped with trained weights, else None (random)."""
+    if name not in SHIPPED:
+        return None
+    return os.path.join(os.path.dirname(os.path.abspath(__file__)), "preset_weights", name)
