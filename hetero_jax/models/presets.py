@@ -1,8 +1,12 @@
-"""Embedded models: random weights from a seed, the byte-level tokenizer, no download.
+"""Embedded models with the byte-level tokenizer, no download.
 
-- `tiny`: 2.6M parameters, for tests.
-- `small`: 104.6M parameters (418 MB in fp32), so that decode is memory-bound on a CPU
-  whose last-level cache is tens of MB.
+- `tiny`: 2.6M parameters, random weights from a seed, for tests.
+- `small`: 104.6M parameters (418 MB in fp32), random, so that decode is memory-bound on a
+  CPU whose last-level cache is tens of MB.
+
+A preset named in `SHIPPED` is a trained model directory in `preset_weights/<name>` (with its
+LoRA embedding adapter in `adapter/`; `scripts/build_default_model.py` writes one); none is
+shipped yet: the build's model does not give readable answers within its CPU budget here.
 """
 from __future__ import annotations
 

@@ -73,8 +73,16 @@ class HFTokenizer:
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
 
 
+BYTE_TOKENIZER_CLASS = "hetero_jax.ByteTokenizer"  # tokenizer_config.json of a byte-level model
+
+
 def load_tokenizer(model_dir: str, eos_token_ids: tuple):
-    """The directory's tokenizer, or None when it ships none (token-id inputs only)."""
+    """The directory's tokenizer, or None when it ships none (token-id inputs only). A
+    `tokenizer_config.json` whose `tokenizer_class` is `BYTE_TOKENIZER_CLASS` (the shipped
+    build of `scripts/build_default_model.py`) means `ByteTokenizer`."""
+    config = os.path.join(model_dir, "tokenizer_config.json")
+    if os.path.isfile(config) and read_json(config).get("tokenizer_class") == BYTE_TOKENIZER_CLASS:
+        return ByteTokenizer()
     if not any(os.path.isfile(os.path.join(model_dir, f)) for f in _TOKENIZER_FILES):
         return None
     return HFTokenizer(model_dir, eos_token_ids)

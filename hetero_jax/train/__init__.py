@@ -1,5 +1,5 @@
 """Training on the engine's own model: the LoRA embedding adapter (`hetero-jax train-adapter`)
-and the language model of the shipped `mini` preset, both with optax.
+and a preset's language model (`lm`, `scripts/build_default_model.py`), both with optax.
 
 `data` (pairs, padded batches; no jax) -> `forward` (the engine's Flax model on padded
 sequences, the poolers) -> `loss` (contrastive, recall@k) -> `step` (one jitted train step
