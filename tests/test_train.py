@@ -26,8 +26,8 @@ from hetero_jax.train.loss import contrastive_loss, recall_at_k
 from hetero_jax.train.step import AdapterConfig, embed_texts, init_lora
 
 CORPUS = os.path.join(os.path.dirname(__file__), "..", "data", "corpus.jsonl")
-AC = AdapterConfig(pooling="mean", rank=8, learning_rate=3e-3, steps=30)
-OPTS = FitOptions(batch_size=32, max_len=64, seed=0)
+AC = AdapterConfig(pooling="mean", rank=8, learning_rate=5e-3, steps=30)
+OPTS = FitOptions(batch_size=32, max_len=48, seed=0)
 
 
 @pytest.fixture(scope="module")
