@@ -1,15 +1,20 @@
 """The `hetero-jax` command line.
 
-    hetero-jax generate [--preset small | --model DIR] [--num-prompts N] [--max-tokens N] ...
+    hetero-jax generate [PROMPT ...] [--preset small | --model DIR] [--max-tokens N] ...
+    hetero-jax embed TEXT [TEXT ...] [--preset tiny | --model DIR] [--pooling mean] ...
     hetero-jax sim [--policy ibs] [--cost roofline:h200] ...
     hetero-jax bench [--preset small] [--ratios 9:1,5:5,1:9] [--json PATH] [--plot PATH] ...
     hetero-jax batch INPUT --output OUTPUT [--preset tiny | --model DIR] [--errors PATH] ...
+    hetero-jax train-adapter --pairs PATH --output DIR [--preset tiny | --model DIR] ...
 
-`generate` runs a batch generation with a progress bar and prints a throughput summary (the
-bench's `bench.loop.summarize` over the outputs; `--json` writes it);
+`generate` completes the PROMPTs given and prints the texts, or runs a batch of demo prompts
+with a progress bar; either way it prints a throughput summary (the bench's
+`bench.loop.summarize` over the outputs; `--json` writes it); `embed` prints the TEXTs'
+embeddings and their cosine similarities;
 `sim` runs a scheduling policy in the discrete-event simulator (`hetero_jax.sim`);
 `bench` runs every scheduler on the same closed-loop workload (`hetero_jax.bench`);
-`batch` runs an offline, resumable batch job over a file of rows (`hetero_jax.offline`).
+`batch` runs an offline, resumable batch job over a file of rows (`hetero_jax.offline`);
+`train-adapter` fits a LoRA embedding adapter (`hetero_jax.train`).
 Each command checks its flags, and that the paths it will write can be written, before any
 work (`generate` and `batch` before they import jax): a bad one is an argparse error, exit status 2.
 """
@@ -36,23 +41,17 @@ def _model_dir(text: str) -> str:
 
 
 def cmd_generate(args) -> int:
-    from hetero_jax import Engine, EngineConfig, SamplingParams
+    from hetero_jax import SamplingParams
     from hetero_jax.bench.loop import counters, counters_delta, output_records, summarize
     from hetero_jax.bench.workloads import demo_prompts
 
-    cfg = EngineConfig(token_budget=args.token_budget, chunk_size=args.chunk_size,
-                       max_num_seqs=args.max_num_seqs, dtype=args.dtype)
-    if args.model:
-        engine = Engine.from_pretrained(args.model, config=cfg)
-    else:
-        engine = Engine.from_preset(args.preset, seed=args.seed, config=cfg)
-    print(f"model: {args.model or args.preset} ({engine.model_cfg.num_params / 1e6:.1f}M params, "
-          f"{engine.config.dtype}); budget {cfg.token_budget} tokens, chunk {cfg.chunk_size}, "
-          f"{cfg.max_num_seqs} sequences", flush=True)
+    engine, cfg = _engine(args, args.preset)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                            top_p=args.top_p, ignore_eos=True)
+                            top_p=args.top_p, ignore_eos=not args.prompts)
     before = counters(engine)
-    outs = engine.generate(demo_prompts(args.num_prompts, args.seed), params)
+    outs = engine.generate(args.prompts or demo_prompts(args.num_prompts, args.seed), params)
+    for prompt, out in zip(args.prompts, outs):
+        print(f"{prompt!r} -> {out.text!r} ({out.finish_reason})")
     stats = engine.stats
     summary = dict(summarize(output_records(outs), counters_delta(before, counters(engine)),
                              cfg.token_budget), preemptions=stats.preemptions,
@@ -60,6 +59,39 @@ def cmd_generate(args) -> int:
     _print_summary(summary)
     if args.json:
         write_json(args.json, summary, indent=1)
+    return 0
+
+
+def _engine(args, preset: str):
+    """-> (the engine of --model or `preset`, its EngineConfig); prints a line about it."""
+    from hetero_jax import Engine, EngineConfig
+
+    cfg = EngineConfig(token_budget=args.token_budget, chunk_size=args.chunk_size,
+                       max_num_seqs=args.max_num_seqs, dtype=args.dtype)
+    if args.model:
+        engine = Engine.from_pretrained(args.model, config=cfg)
+    else:
+        engine = Engine.from_preset(preset, seed=args.seed, config=cfg)
+    print(f"model: {args.model or preset} ({engine.model_cfg.num_params / 1e6:.1f}M params, "
+          f"{engine.config.dtype}); budget {cfg.token_budget} tokens, chunk {cfg.chunk_size}, "
+          f"{cfg.max_num_seqs} sequences", flush=True)
+    return engine, cfg
+
+
+def cmd_embed(args) -> int:
+    from hetero_jax import PoolingParams
+
+    engine, _ = _engine(args, args.preset)
+    vecs = engine.embed(args.texts, PoolingParams(args.pooling, normalize=True), use_tqdm=False)
+    for text, v in zip(args.texts, vecs):  # v [d], unit norm
+        head = ", ".join(f"{x:.4f}" for x in v[:4])
+        print(f"{text!r}: [{head}, ...] ({v.shape[0]} dims, L2-normalised)")
+    if len(vecs) > 1:
+        print("cosine similarities:")
+        for text, row in zip(args.texts, vecs @ vecs.T):
+            print(f"  {' '.join(f'{c:6.3f}' for c in row)}  {text[:40]!r}")
+    if args.json:
+        write_json(args.json, dict(texts=args.texts, embeddings=vecs.tolist()))
     return 0
 
 
@@ -83,8 +115,14 @@ def build_parser() -> argparse.ArgumentParser:
                    "(hetero-jax bench --help)", add_help=False)
     sub.add_parser("batch", help="resumable offline job: embed and generate for every row of "
                    "a JSONL file (hetero-jax batch --help)", add_help=False)
-    g = sub.add_parser("generate", help="batch generation with a throughput summary")
+    sub.add_parser("train-adapter", help="fit a LoRA embedding adapter with optax, written "
+                   "as PEFT (hetero-jax train-adapter --help)", add_help=False)
+    g = sub.add_parser("generate", help="generate from PROMPTs and print the texts, or (none "
+                       "given) a batch of demo prompts with a throughput summary",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ints = {name: int_range(*limits) for name, limits in LIMITS.items()}
+    g.add_argument("prompts", nargs="*", metavar="PROMPT",
+                   help="prompts to complete (stops at EOS); none: --num-prompts demo prompts")
     g.add_argument("--preset", default="small", choices=list(PRESETS),
                    help="embedded model (random weights, no download)")
     g.add_argument("--model", type=_model_dir, default=None, metavar="DIR",
@@ -111,6 +149,20 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", type=output_file, default=None, metavar="PATH",
                    help="write the summary here")
     g.set_defaults(func=cmd_generate)
+    e = sub.add_parser("embed", help="embed TEXTs, print them and their cosine similarities",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    e.add_argument("texts", nargs="+", metavar="TEXT", help="texts to embed")
+    e.add_argument("--preset", default="tiny", choices=list(PRESETS),
+                   help="embedded model (random weights, no download)")
+    e.add_argument("--model", type=_model_dir, default=None, metavar="DIR",
+                   help="local Hugging Face directory (overrides --preset)")
+    e.add_argument("--pooling", default=None, choices=["mean", "weighted_mean", "cls", "last"],
+                   help="pooler (None: the model's default)")
+    e.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="weights and activations")
+    e.add_argument("--json", type=output_file, default=None, metavar="PATH",
+                   help="write the texts and vectors here")
+    e.set_defaults(func=cmd_embed, seed=0, token_budget=256, chunk_size=64, max_num_seqs=32)
     return ap
 
 
@@ -129,6 +181,9 @@ def main(argv=None) -> int:
     if argv[:1] == ["batch"]:  # checks everything before jax
         from hetero_jax.offline.cli import batch_main
         return batch_main(argv[1:])
+    if argv[:1] == ["train-adapter"]:  # checks its flags before jax
+        from hetero_jax.train.cli import train_main
+        return train_main(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

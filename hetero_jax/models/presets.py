@@ -1,13 +1,19 @@
-"""Embedded models: random weights from a seed, the byte-level tokenizer, no download.
+"""Embedded models with the byte-level tokenizer, no download.
 
-- `tiny`: 2.6M parameters, for tests.
-- `small`: 104.6M parameters (418 MB in fp32), so that decode is memory-bound on a CPU
-  whose last-level cache is tens of MB.
+- `tiny`: 2.6M parameters, random weights from a seed, for tests.
+- `small`: 104.6M parameters (418 MB in fp32), random, so that decode is memory-bound on a
+  CPU whose last-level cache is tens of MB.
 - `llama-8b-shape`: Llama-3-8B's shapes (32 query heads, 8 KV heads, head_dim 128, hidden
-  4096, MLP 14336, vocabulary 128,256) with 4 of its 32 layers (1.9B parameters), for GPU
-  benchmarks (`scripts/gpu_check.sh`): per layer it moves and computes what the 8B model does.
+  4096, MLP 14336, vocabulary 128,256) with 4 of its 32 layers (1.9B parameters), random, for
+  GPU benchmarks (`scripts/gpu_check.sh`): per layer it moves and computes what the 8B does.
+
+A preset named in `SHIPPED` is a trained model directory in `preset_weights/<name>` (with its
+LoRA embedding adapter in `adapter/`; `scripts/build_default_model.py` writes one); none is
+shipped yet: the build's model does not give readable answers within its CPU budget here.
 """
 from __future__ import annotations
+
+import os
 
 from hetero_jax.models.config import ModelConfig
 from hetero_jax.models.tokenizer import ByteTokenizer
@@ -35,3 +41,15 @@ def preset_config(name: str) -> ModelConfig:
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; available: {', '.join(PRESETS)}")
     return PRESETS[name]
+
+
+# presets whose trained weights ship in preset_weights/<name> (a model directory with its
+# embedding adapter in adapter/); the others are random from a seed
+SHIPPED = ()
+
+
+def preset_dir(name: str) -> str | None:
+    """The model directory of a preset shipped with trained weights, else None (random)."""
+    if name not in SHIPPED:
+        return None
+    return os.path.join(os.path.dirname(os.path.abspath(__file__)), "preset_weights", name)

@@ -78,6 +78,9 @@ class HFTokenizer:
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
 
 
+BYTE_TOKENIZER_CLASS = "hetero_jax.ByteTokenizer"  # tokenizer_config.json of a byte-level model
+
+
 def check_tokenizer_files(model_dir: str) -> None:
     """ValueError naming the file when `tokenizer.json` or `tokenizer_config.json` is not a
     JSON object of the expected shape (before transformers reads them: its errors name no
@@ -97,12 +100,17 @@ def check_tokenizer_files(model_dir: str) -> None:
 
 
 def load_tokenizer(model_dir: str, eos_token_ids: tuple, vocab_size: int | None = None):
-    """The directory's tokenizer, or None when it ships none (token-id inputs only). With
-    `vocab_size` (the model's), a tokenizer of more tokens is refused naming its file."""
+    """The directory's tokenizer, or None when it ships none (token-id inputs only). A
+    `tokenizer_config.json` whose `tokenizer_class` is `BYTE_TOKENIZER_CLASS` (the build of
+    `scripts/build_default_model.py`) means `ByteTokenizer`. With `vocab_size` (the model's),
+    a tokenizer of more tokens is refused naming its file."""
     files = [f for f in _TOKENIZER_FILES if os.path.isfile(os.path.join(model_dir, f))]
     if not files:
         return None
     check_tokenizer_files(model_dir)
+    config = os.path.join(model_dir, "tokenizer_config.json")
+    if os.path.isfile(config) and read_json(config).get("tokenizer_class") == BYTE_TOKENIZER_CLASS:
+        return ByteTokenizer()
     tokenizer = HFTokenizer(model_dir, eos_token_ids)
     if vocab_size is not None and tokenizer.vocab_size > vocab_size:
         raise ValueError(f"{os.path.join(model_dir, files[0])}: the tokenizer has "

@@ -18,7 +18,8 @@ processes, one core each, behind the prefix-affinity router, or with `--ray` N R
 `job.run_job` runs every row OUTPUT lacks under a tqdm bar on stderr, and a summary goes to
 stdout. Exit status 0 when the job ran to its end, rows in ERRORS or not (the summary counts
 them); 1 when it stopped early on an error, 130 on Ctrl-C (the rows written are kept: the same
-command resumes).
+command resumes). Where OUTPUT holds `query/<key>` embedding rows, the summary also gives
+their retrieval recall@5 against the `passage/<key>` rows (`recall`).
 """
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ from hetero_jax.config import size_relation
 from hetero_jax.models.presets import PRESETS, preset_config
 from hetero_jax.offline.job import EngineFront, Tally, count_to_run, run_job
 from hetero_jax.offline.journal import STDIO, ErrorLog, OutputError, OutputJournal
+from hetero_jax.offline.recall import retrieval_recall
 from hetero_jax.offline.ray_data import check_ray_data
 from hetero_jax.offline.ray_data import make_front as ray_data_front
 from hetero_jax.offline.replica_front import ReplicaFront
@@ -316,3 +318,7 @@ def print_summary(args, t: Tally, stats, total_s: float) -> None:
     print(f"{args.output}: {t.written} rows written, {t.skipped} already there; {args.errors}: "
           f"{t.errors} rows ({t.bad_rows} bad rows, {t.refused} refused by the engine, "
           f"{t.failed} failed running); {total_s:.1f} s in all", file=say)
+    found = retrieval_recall(args.output) if args.output != STDIO else None
+    if found is not None:
+        print(f"retrieval: recall@{found.k} {found.value:.3f} of {found.queries} query/<key> "
+              f"rows against {found.passages} passage/<key> rows (cosine)", file=say)

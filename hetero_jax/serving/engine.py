@@ -15,6 +15,7 @@ import dataclasses
 import functools
 import hashlib
 import itertools
+import os
 import threading
 import time
 import warnings
@@ -30,7 +31,7 @@ from hetero_jax.models.config import ModelConfig
 from hetero_jax.models.formats.hf_llama import load_params, read_model_config
 from hetero_jax.models.formats.peft import load_adapter
 from hetero_jax.models.layers import stack_layers
-from hetero_jax.models.presets import preset_config
+from hetero_jax.models.presets import preset_config, preset_dir
 from hetero_jax.models.tokenizer import ByteTokenizer, load_tokenizer
 from hetero_jax.outputs import EngineStats
 from hetero_jax.runner.batch import pack_batch
@@ -100,7 +101,12 @@ class Engine(BatchAPI):
     @classmethod
     def from_preset(cls, name: str, seed: int = 0, config: EngineConfig | None = None,
                     embed_model: str | None = None) -> "Engine":
-        """An embedded model (random weights from `seed`); `embed_model` as in from_pretrained."""
+        """An embedded model (random weights from `seed`, or a preset shipped trained, with its
+        embedding adapter); `embed_model` as in from_pretrained."""
+        shipped = preset_dir(name)
+        if shipped is not None:
+            adapter = None if embed_model else os.path.join(shipped, "adapter")
+            return cls.from_pretrained(shipped, config, embed_model, adapter)
         cfg = preset_config(name)
         _check_tensor_parallel(cfg, config)
         _resolved(cfg, config)  # sizes against memory, before the weights are made

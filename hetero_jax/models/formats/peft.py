@@ -6,6 +6,7 @@ tensor we would silently ignore is an error naming the file, the tensor and the 
 """
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
@@ -130,3 +131,29 @@ def load_adapter(adapter_dir: str, cfg: ModelConfig, dtype) -> LoraAdapter:
                 (a if half == "A" else b)[i] = _check(st, found[i, module, half], shape).T
         weights[key] = (a.astype(dtype), b.astype(dtype))
     return LoraAdapter(path=adapter_dir, rank=rank, scale=scale, weights=weights)
+
+
+def save_adapter(adapter_dir: str, weights: dict, rank: int, num_layers: int,
+                 base_model: str = "") -> None:
+    """Write a PEFT LoRA directory that `load_adapter` (and PEFT) reads back: `weights` maps
+    params keys ("wq", ...) to (a [L, in, r], b [L, r, out]) with the scale folded in, so the
+    config says `lora_alpha = r` (scale 1)."""
+    from safetensors.numpy import save_file
+
+    os.makedirs(adapter_dir, exist_ok=True)
+    module_of = {key: module for module, key in MODULES.items()}
+    tensors = {}
+    for key, (a, b) in weights.items():
+        part = "mlp" if key.startswith("w_") else "self_attn"
+        for i in range(num_layers):
+            name = f"base_model.model.model.layers.{i}.{part}.{module_of[key]}"
+            tensors[f"{name}.lora_A.weight"] = np.ascontiguousarray(np.asarray(a[i], np.float32).T)
+            tensors[f"{name}.lora_B.weight"] = np.ascontiguousarray(np.asarray(b[i], np.float32).T)
+    save_file(tensors, os.path.join(adapter_dir, "adapter_model.safetensors"),
+              metadata={"format": "pt"})
+    config = dict(peft_type="LORA", task_type="FEATURE_EXTRACTION", r=rank, lora_alpha=rank,
+                  lora_dropout=0.0, bias="none", use_dora=False, use_rslora=False,
+                  fan_in_fan_out=False, base_model_name_or_path=base_model,
+                  target_modules=sorted(module_of[k] for k in weights))
+    with open(os.path.join(adapter_dir, "adapter_config.json"), "w") as f:
+        json.dump(config, f, indent=1)
