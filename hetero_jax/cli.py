@@ -4,12 +4,16 @@
     hetero-jax sim [--policy ibs] [--cost roofline:h200] ...
     hetero-jax bench [--preset small] [--ratios 9:1,5:5,1:9] [--json PATH] [--plot PATH] ...
     hetero-jax batch INPUT --output OUTPUT [--preset tiny | --model DIR] [--errors PATH] ...
+    hetero-jax serve [--preset tiny | --model DIR] [--port 8000] [--api-key KEY] ...
+    hetero-jax bench-serve --url URL [--rate 20] [--requests 200] [--json PATH] ...
 
 `generate` runs a batch generation with a progress bar and prints a throughput summary (the
 bench's `bench.loop.summarize` over the outputs; `--json` writes it);
 `sim` runs a scheduling policy in the discrete-event simulator (`hetero_jax.sim`);
 `bench` runs every scheduler on the same closed-loop workload (`hetero_jax.bench`);
-`batch` runs an offline, resumable batch job over a file of rows (`hetero_jax.offline`).
+`batch` runs an offline, resumable batch job over a file of rows (`hetero_jax.offline`);
+`serve` starts the OpenAI-compatible server (`hetero_jax.server`); `bench-serve` sends an
+open-loop trace to a running server over HTTP (`hetero_jax.bench.online`).
 Each command checks its flags, and that the paths it will write can be written, before any
 work (`generate` and `batch` before they import jax): a bad one is an argparse error, exit status 2.
 """
@@ -83,6 +87,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "(hetero-jax bench --help)", add_help=False)
     sub.add_parser("batch", help="resumable offline job: embed and generate for every row of "
                    "a JSONL file (hetero-jax batch --help)", add_help=False)
+    sub.add_parser("serve", help="OpenAI-compatible HTTP server (hetero-jax serve --help)",
+                   add_help=False)
+    sub.add_parser("bench-serve", help="open-loop benchmark of a running server over HTTP "
+                   "(hetero-jax bench-serve --help)", add_help=False)
     g = sub.add_parser("generate", help="batch generation with a throughput summary")
     ints = {name: int_range(*limits) for name, limits in LIMITS.items()}
     g.add_argument("--preset", default="small", choices=list(PRESETS),
@@ -125,6 +133,12 @@ def main(argv=None) -> int:
         except (ValueError, FileNotFoundError) as e:
             print(f"hetero-jax bench: error: {e}", file=sys.stderr)
             return 2
+    if argv[:1] == ["serve"]:  # checks every flag before jax
+        from hetero_jax.server.cli import serve_main
+        return serve_main(argv[1:])
+    if argv[:1] == ["bench-serve"]:  # HTTP only: no jax
+        from hetero_jax.bench.online import online_main
+        return online_main(argv[1:])
     if argv[:1] == ["batch"]:  # checks everything before jax
         from hetero_jax.offline.cli import batch_main
         return batch_main(argv[1:])
