@@ -5,6 +5,7 @@ thread). Results over the wire equal the engine's own: greedy tokens equal `Engi
 and embeddings equal `Engine.embed`'s within 1e-6. Bad requests get OpenAI-shaped errors with
 their statuses, and a client that disconnects mid-stream frees its pages.
 """
+import asyncio
 import base64
 import json
 import subprocess
@@ -17,6 +18,7 @@ import openai
 import pytest
 
 from hetero_jax import Engine, EngineConfig, PoolingParams, SamplingParams
+from hetero_jax.bench.online import ClientSender, HttpSender, run_trace
 from hetero_jax.outputs import EmbeddingOutput, EngineStats, RequestError
 from hetero_jax.server.app import ServerConfig, build_app
 from hetero_jax.server.chat import DEFAULT_TEMPLATE, ChatTemplate, read_template
@@ -315,3 +317,22 @@ def test_serve_help_imports_no_jax():
                           timeout=120)
     assert done.returncode == 0, done.stderr
     assert "--api-key" in done.stdout and "--max-queued" in done.stdout
+
+
+def test_the_online_bench_sends_over_http_and_in_process_alike(engine, server):
+    trace = [(0.0, "embed", [1, 2, 3]), (0.0, "generate", [4, 5]), (0.01, "generate", [6])]
+
+    async def run(sender):
+        await sender.open()
+        try:
+            return await run_trace(trace, sender)
+        finally:
+            await sender.close()
+
+    http = asyncio.run(run(HttpSender(server.url, KEY, 5)))
+    idle(engine)
+    local = asyncio.run(run(ClientSender(AsyncEngine(engine), 5)))
+    for records in (http, local):
+        assert [(r.kind, r.tokens, r.error) for r in records] == [
+            ("embed", 0, None), ("generate", 5, None), ("generate", 5, None)]
+        assert all(r.first is not None and r.start < r.first <= r.end for r in records[1:])
