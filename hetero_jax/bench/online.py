@@ -15,7 +15,7 @@ Where the requests go: `--url` is a running server (`hetero-jax serve`); or, wit
 or `--model`, the bench starts one server process per `--schedulers` entry on a free loopback
 port (its engine flags are `serve`'s, passed through), warms it up and stops it after its run.
 `--in-process` also runs the trace on an `AsyncEngine` in this process, built from the same
-flags, through the same `EngineClient` calls the server makes: the overhead of HTTP is the
+engine flags (with `--url` too: give the flags that server was started with), through the same `EngineClient` calls the server makes: the overhead of HTTP is the
 difference. Generations are streamed (SSE over HTTP). `--rounds R` repeats the trace on one
 server and reads the server's RSS after each round (a flat column: no memory held per request).
 """
@@ -50,6 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
                                 "benchmark of the OpenAI server over HTTP (see the module doc).")
     p.add_argument("--url", default=None, help="a running server (else one is started)")
     p.add_argument("--api-key", default=None, help="the server's key, if it needs one")
+    p.add_argument("--server-pid", type=int_range(1, 2**31 - 1), default=None,
+                   help="read this process's RSS after each round (with --url)")
     for flag in SERVE_FLAGS:
         p.add_argument(flag, default=None, help=f"passed to each started server's {flag}")
     p.add_argument("--schedulers", type=name_list(("ibs", "fcfs", "homogeneous"), "scheduler"),
@@ -70,6 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokens per generation prompt")
     p.add_argument("--output-len", type=int_range(1, 100_000), default=16,
                    help="tokens generated per prompt")
+    p.add_argument("--no-stream", action="store_true", help="ask for whole completions over "
+                   "HTTP (TTFT is then the end-to-end latency)")
     p.add_argument("--rounds", type=int_range(1, 1000), default=1,
                    help="repeat the trace on each server; RSS is read after each")
     p.add_argument("--slo-ttft-ms", type=real_range(0), default=1000.0,
@@ -114,30 +118,48 @@ async def run_trace(trace: list, sender) -> list:
 
 
 class HttpSender:
-    """Requests over HTTP to one server (httpx, one connection per request in flight)."""
+    """Requests over HTTP to one server (httpx, one connection per request in flight, a new
+    pool per `open`, so no round reuses a connection the server has since closed). A request
+    that fails, in HTTP or in the stream, is a Record with its error."""
 
-    def __init__(self, url: str, key: str | None, output_len: int):
-        import httpx
-
-        headers = {"Authorization": f"Bearer {key}"} if key else {}
-        self.http = httpx.AsyncClient(base_url=url, headers=headers, timeout=None,
-                                      limits=httpx.Limits(max_connections=None,
-                                                          max_keepalive_connections=1000))
-        self.output_len, self.model = output_len, None
+    def __init__(self, url: str, key: str | None, output_len: int, stream: bool = True):
+        self.url, self.key = url, key
+        self.output_len, self.model, self.stream = output_len, None, stream
 
     async def open(self) -> None:
+        import httpx
+
+        headers = {"Authorization": f"Bearer {self.key}"} if self.key else {}
+        self.http = httpx.AsyncClient(base_url=self.url, headers=headers, timeout=None,
+                                      limits=httpx.Limits(max_connections=None,
+                                                          max_keepalive_connections=1000))
         self.model = (await self.http.get("/v1/models")).json()["data"][0]["id"]
 
     async def embed(self, ids: list) -> Record:
+        return await _caught(self._embed(ids), "embed")
+
+    async def generate(self, ids: list) -> Record:
+        return await _caught(self._generate(ids), "generate")
+
+    async def _embed(self, ids: list) -> Record:
         t0 = time.perf_counter()
         r = await self.http.post("/v1/embeddings", json={"model": self.model, "input": ids})
         error = None if r.status_code == 200 else f"{r.status_code} {r.text[:200]}"
         return Record("embed", t0, time.perf_counter(), error=error)
 
-    async def generate(self, ids: list) -> Record:
+    async def _generate(self, ids: list) -> Record:
         body = {"model": self.model, "prompt": ids, "max_tokens": self.output_len,
-                "temperature": 0, "ignore_eos": True, "stream": True, "return_token_ids": True}
+                "temperature": 0, "ignore_eos": True, "stream": self.stream,
+                "return_token_ids": True}
         rec = Record("generate", time.perf_counter(), 0.0)
+        if not self.stream:
+            r = await self.http.post("/v1/completions", json=body)
+            rec.end = rec.first = time.perf_counter()
+            if r.status_code != 200:
+                rec.error = f"{r.status_code} {r.text[:200]}"
+            else:
+                rec.tokens = sum(len(c["token_ids"]) for c in r.json()["choices"])
+            return rec
         async with self.http.stream("POST", "/v1/completions", json=body) as r:
             if r.status_code != 200:
                 rec.error = f"{r.status_code} {(await r.aread())[:200]!r}"
@@ -157,6 +179,17 @@ class HttpSender:
 
     async def close(self) -> None:
         await self.http.aclose()
+
+
+async def _caught(call, kind: str) -> Record:
+    """`call`'s Record, or one with the transport error that stopped it."""
+    import httpx
+
+    t0 = time.perf_counter()
+    try:
+        return await call
+    except httpx.HTTPError as e:
+        return Record(kind, t0, time.perf_counter(), error=f"{type(e).__name__}: {e}")
 
 
 class ClientSender:
@@ -230,15 +263,17 @@ async def bench(sender, args, name: str, pid: int) -> list:
     await sender.open()
     await run_trace(make_trace(argparse.Namespace(**dict(vars(args), requests=4)),
                                args.seed + 99), sender)
+    await sender.close()
     slo = dict(ttft_s=args.slo_ttft_ms / 1e3, tpot_s=args.slo_tpot_ms / 1e3,
                e2e_s=args.slo_embed_ms / 1e3)
     out = []
     for i in range(args.rounds):
+        await sender.open()
         records = await run_trace(make_trace(args, args.seed + i), sender)
+        await sender.close()
         run = name if args.rounds == 1 else f"{name} #{i + 1}"
         out.append((dict(summarize(records, slo), run=run, server_rss_mb=rss_mb(pid)),
                     records))
-    await sender.close()
     return out
 
 
@@ -253,15 +288,16 @@ def _serve_argv(args, scheduler: str) -> list:
 
 def _runs(args) -> list:
     """[(row, records)] of every run the flags ask for."""
-    if args.url:
-        return asyncio.run(bench(HttpSender(args.url, args.api_key, args.output_len), args,
-                                 "http", -1))
     out = []
-    for scheduler in args.schedulers:
+    if args.url:
+        out += asyncio.run(bench(HttpSender(args.url, args.api_key, args.output_len,
+                                            not args.no_stream), args, "http",
+                                 args.server_pid or -1))
+    for scheduler in args.schedulers if not args.url else []:
         proc, url = start_server(_serve_argv(args, scheduler))
         try:
-            out += asyncio.run(bench(HttpSender(url, None, args.output_len), args,
-                                     f"http {scheduler}", proc.pid))
+            out += asyncio.run(bench(HttpSender(url, None, args.output_len, not args.no_stream),
+                                     args, f"http {scheduler}", proc.pid))
         finally:
             proc.terminate()
             proc.wait(timeout=60)
@@ -280,6 +316,8 @@ def online_main(argv) -> int:
     args = parser.parse_args(argv)
     if not args.url and not (args.preset or args.model):
         parser.error("give --url of a running server, or --preset/--model to start one")
+    if args.in_process and not (args.preset or args.model):
+        parser.error("--in-process builds an engine: give --preset or --model")
     runs = _runs(args)
     rows = [row for row, _ in runs]
     print(format_table(rows, COLUMNS))
