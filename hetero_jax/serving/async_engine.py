@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import asyncio
 
-from hetero_jax.outputs import RequestError, RequestFailed
+from hetero_jax.outputs import RequestFailed
 from hetero_jax.requests import EmbedRequest, GenerateRequest, PoolingParams, SamplingParams
-from hetero_jax.serving.client import FrontStats, GenerateStream, StepTimes
+from hetero_jax.serving.client import FrontStats, GenerateStream, StepTimes, admitted
 from hetero_jax.serving.engine import Engine
 from hetero_jax.serving.stepper import Stepper
 
@@ -106,14 +106,7 @@ class AsyncEngine:
 
     def _submit(self, request, request_id, field: str) -> _Flow:
         self._bind(asyncio.get_running_loop())
-        if request_id is not None and request_id in self._ids:
-            raise RequestError(0, "request_id", f"request_id={request_id!r} is in flight")
-        try:
-            (req,) = self.engine.prepare([request])  # raises here, in the caller
-        except TypeError as e:
-            raise RequestError(0, "params", str(e)) from e
-        except ValueError as e:
-            raise RequestError(0, field, str(e)) from e
+        (req,) = admitted(lambda: self.engine.prepare([request]), field, request_id, self._ids)
         rid = req.request_id if request_id is None else request_id
         flow = self._flows[req.request_id] = _Flow(rid)
         self._ids[rid] = req.request_id

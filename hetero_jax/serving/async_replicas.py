@@ -20,8 +20,8 @@ import concurrent.futures
 
 from hetero_jax.outputs import EmbeddingOutput, RequestError, RequestFailed
 from hetero_jax.requests import EmbedRequest, GenerateRequest, PoolingParams, SamplingParams
-from hetero_jax.serving.client import (FrontStats, GenerateStream, StepTimes, finished_only,
-                                       succeeded)
+from hetero_jax.serving.client import (FrontStats, GenerateStream, StepTimes, admitted,
+                                       finished_only, succeeded)
 from hetero_jax.serving.replicas import ReplicaSet
 
 POLL_S = 0.2  # how long one collect waits, so a closed front's thread ends soon
@@ -86,14 +86,8 @@ class AsyncReplicas:
                                    "event loop")
             self._task = None  # the old loop's collector went with it
         self._loop = loop
-        if request_id is not None and request_id in self._tags:
-            raise RequestError(0, "request_id", f"request_id={request_id!r} is in flight")
-        try:
-            (tag,) = self.replicas.submit([request])  # raises here, in the caller
-        except TypeError as e:
-            raise RequestError(0, "params", str(e)) from e
-        except ValueError as e:
-            raise RequestError(0, FIELDS[KINDS[type(request)]], str(e)) from e
+        (tag,) = admitted(lambda: self.replicas.submit([request]), FIELDS[KINDS[type(request)]],
+                          request_id, self._tags)  # raises here, in the caller
         future = loop.create_future()
         self._futures[tag], self._kinds[tag] = future, KINDS[type(request)]
         self._ids[tag] = tag if request_id is None else request_id

@@ -21,8 +21,8 @@ import bisect
 import dataclasses
 from typing import AsyncIterator, Awaitable, Protocol
 
-from hetero_jax.outputs import (EmbeddingOutput, EngineStats, GenerateDelta, RequestFailed,
-                                RequestOutput)
+from hetero_jax.outputs import (EmbeddingOutput, EngineStats, GenerateDelta, RequestError,
+                                RequestFailed, RequestOutput)
 from hetero_jax.requests import PoolingParams, SamplingParams
 from hetero_jax.serving.output_processor import final_delta
 
@@ -53,6 +53,20 @@ class GenerateStream:
             pass
         assert last is not None and last.finished, f"a stream ended without output: {last=}"
         return last.output
+
+
+def admitted(call, field: str, request_id, in_flight):
+    """`call()` (a front's check-and-submit) -> its result; a caller's id already in flight,
+    or a TypeError / ValueError of the checks -> RequestError naming `field` ("params" for
+    a TypeError)."""
+    if request_id is not None and request_id in in_flight:
+        raise RequestError(0, "request_id", f"request_id={request_id!r} is in flight")
+    try:
+        return call()
+    except TypeError as e:
+        raise RequestError(0, "params", str(e)) from e
+    except ValueError as e:
+        raise RequestError(0, field, str(e)) from e
 
 
 def succeeded(out, request_id):
