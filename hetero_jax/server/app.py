@@ -68,21 +68,13 @@ def build_app(client, config: ServerConfig) -> FastAPI:
         state.counters.count(request.url.path, error.status)
         return JSONResponse(error_body(error), error.status)
 
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        return await _serve(state, request, CompletionRequest, _completion)
+    def gated(model_cls, handler):
+        async def endpoint(request: Request):
+            return await _serve(state, request, model_cls, handler)
+        return endpoint
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        return await _serve(state, request, ChatRequest, _chat)
-
-    @app.post("/v1/embeddings")
-    async def embeddings(request: Request):
-        return await _serve(state, request, EmbeddingRequest, _embeddings)
-
-    @app.get("/v1/models")
-    async def models(request: Request):
-        return await _serve(state, request, None, _models)
+    for path, method, model_cls, handler in _routes():
+        app.add_api_route(path, gated(model_cls, handler), methods=[method])
 
     @app.get("/health")
     async def health():
@@ -160,6 +152,14 @@ async def _models(state: _State, request: Request, req) -> Response:
     card = {"id": state.config.model, "object": "model", "created": 0, "owned_by": "hetero-jax",
             "max_model_len": state.client.max_model_len}
     return JSONResponse({"object": "list", "data": [card]})
+
+
+# -- the /v1 routes: (path, method, body model or None, handler) -----------------------------
+def _routes() -> list:
+    return [("/v1/completions", "POST", CompletionRequest, _completion),
+            ("/v1/chat/completions", "POST", ChatRequest, _chat),
+            ("/v1/embeddings", "POST", EmbeddingRequest, _embeddings),
+            ("/v1/models", "GET", None, _models)]
 
 
 # -- completions and chat --------------------------------------------------------------------
