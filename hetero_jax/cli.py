@@ -6,6 +6,8 @@
     hetero-jax bench [--preset small] [--ratios 9:1,5:5,1:9] [--json PATH] [--plot PATH] ...
     hetero-jax batch INPUT --output OUTPUT [--preset tiny | --model DIR] [--errors PATH] ...
     hetero-jax train-adapter --pairs PATH --output DIR [--preset tiny | --model DIR] ...
+    hetero-jax serve [--preset tiny | --model DIR] [--port 8000] [--api-key KEY] ...
+    hetero-jax bench-serve --url URL [--rate 20] [--requests 200] [--json PATH] ...
 
 `generate` completes the PROMPTs given and prints the texts, or runs a batch of demo prompts
 with a progress bar; either way it prints a throughput summary (the bench's
@@ -15,6 +17,8 @@ embeddings and their cosine similarities;
 `bench` runs every scheduler on the same closed-loop workload (`hetero_jax.bench`);
 `batch` runs an offline, resumable batch job over a file of rows (`hetero_jax.offline`);
 `train-adapter` fits a LoRA embedding adapter (`hetero_jax.train`).
+`serve` starts the OpenAI-compatible server (`hetero_jax.server`); `bench-serve` sends an
+open-loop trace to a running server over HTTP (`hetero_jax.bench.online`).
 Each command checks its flags, and that the paths it will write can be written, before any
 work (`generate` and `batch` before they import jax): a bad one is an argparse error, exit status 2.
 """
@@ -117,6 +121,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "a JSONL file (hetero-jax batch --help)", add_help=False)
     sub.add_parser("train-adapter", help="fit a LoRA embedding adapter with optax, written "
                    "as PEFT (hetero-jax train-adapter --help)", add_help=False)
+    sub.add_parser("serve", help="OpenAI-compatible HTTP server (hetero-jax serve --help)",
+                   add_help=False)
+    sub.add_parser("bench-serve", help="open-loop benchmark of a running server over HTTP "
+                   "(hetero-jax bench-serve --help)", add_help=False)
     g = sub.add_parser("generate", help="generate from PROMPTs and print the texts, or (none "
                        "given) a batch of demo prompts with a throughput summary",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -178,6 +186,12 @@ def main(argv=None) -> int:
         except (ValueError, FileNotFoundError) as e:
             print(f"hetero-jax bench: error: {e}", file=sys.stderr)
             return 2
+    if argv[:1] == ["serve"]:  # checks every flag before jax
+        from hetero_jax.server.cli import serve_main
+        return serve_main(argv[1:])
+    if argv[:1] == ["bench-serve"]:  # HTTP only: no jax
+        from hetero_jax.bench.online import online_main
+        return online_main(argv[1:])
     if argv[:1] == ["batch"]:  # checks everything before jax
         from hetero_jax.offline.cli import batch_main
         return batch_main(argv[1:])

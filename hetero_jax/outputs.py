@@ -1,7 +1,12 @@
-"""What a user gets back (plain Python, imports no jax): outputs and the engine's counters.
+"""What a user gets back (plain Python, imports no jax): outputs, errors, the engine's counters.
 
 `RequestOutput` answers a `GenerateRequest`, `EmbeddingOutput` an `EmbedRequest`, in the order
-the requests were given. Times are `time.perf_counter()` seconds; latencies are from arrival.
+the requests were given; a streamed generation yields `GenerateDelta`s, one per step that gave
+it tokens, the last one finished. Times are `time.perf_counter()` seconds; latencies are from
+arrival. A request refused before it runs raises `RequestError(index, field, reason)`; one the
+engine fails while running raises `RequestFailed(request_id, reason)` from a front (or comes
+back with `finish_reason="error"` from `Engine.run`). Both carry their parts as data, so a
+server maps them to a status without reading the message.
 """
 from __future__ import annotations
 
@@ -30,6 +35,37 @@ class EmbeddingOutput:
     finish_reason: str  # "embedded" | "abort" | "error"
     metrics: dict  # arrival_time, finish_time, latency_s, cached_tokens
     error: str | None = None  # with finish_reason "error": what failed this request alone
+
+
+@dataclasses.dataclass
+class GenerateDelta:
+    """What one step added to a streamed generation (`EngineClient.generate`)."""
+
+    request_id: object  # the caller's id for the request (the engine's, if it named none)
+    token_ids: list  # the ids generated in this step
+    text: str  # the text they add ("" while a multi-byte character is incomplete)
+    logprobs: list | None  # per new token, as `RequestOutput.logprobs`
+    finished: bool = False
+    output: RequestOutput | None = None  # on the finished one: the whole output
+    prompt_tokens: int = 0  # the prompt's length in tokens
+
+
+class RequestError(ValueError):
+    """A request refused before anything ran: `index` in the caller's list (0 alone), the
+    `field` at fault ("prompt", "input", "params", or an API field such as "max_tokens") and
+    the `reason`, naming the value and the limit."""
+
+    def __init__(self, index: int, field: str, reason: str):
+        super().__init__(reason)
+        self.index, self.field, self.reason = index, field, reason
+
+
+class RequestFailed(RuntimeError):
+    """A request the engine failed while running it (the others went on)."""
+
+    def __init__(self, request_id, reason: str):
+        super().__init__(reason)
+        self.request_id, self.reason = request_id, reason
 
 
 @dataclasses.dataclass

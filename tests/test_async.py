@@ -24,7 +24,7 @@ def test_concurrent_pipelines_match_the_sync_engine(engine):
     async def pipeline(aengine, q):  # embed -> generate -> embed, like one iterative query
         v = await aengine.embed(q, PoolingParams("mean"))
         g = await aengine.generate(q, GREEDY)
-        return v, g.token_ids, await aengine.embed(q + g.text, PoolingParams("mean"))
+        return v.embedding, g.token_ids, await aengine.embed(q + g.text, PoolingParams("mean"))
 
     async def main():
         aengine = AsyncEngine(engine)

@@ -130,8 +130,8 @@ def test_the_asyncio_front_serves_coroutines_and_cancels(replicas, one):
     assert replicas.in_flight == 0, "the cancelled request was aborted"
     want = one.generate([[256, i + 1] for i in range(4)], greedy, use_tqdm=False)
     assert [o.token_ids for o in outs[:4]] == [w.token_ids for w in want]
-    np.testing.assert_allclose(outs[4], one.embed([[1, 2, 3]], use_tqdm=False)[0], rtol=1e-5,
-                               atol=1e-6)
+    np.testing.assert_allclose(outs[4].embedding, one.embed([[1, 2, 3]], use_tqdm=False)[0],
+                               rtol=1e-5, atol=1e-6)
 
 
 def test_the_batch_job_on_replicas_writes_the_rows_of_one_engine(replicas, one, tmp_path):

@@ -1,7 +1,7 @@
 """Closed-loop clients for `hetero-jax bench`: the workloads, the loop, one row of numbers.
 
-In: a front with AsyncEngine's coroutines (`generate(prompt, params) -> RequestOutput`,
-`embed(x, params) -> [d]`), a list of requests (or Iter-RetGen query plans) and a number of
+In: an `EngineClient` (`serving.client`: `await generate(prompt, params)` -> RequestOutput,
+`await embed(x, params)` -> EmbeddingOutput), a list of requests (or Iter-RetGen query plans) and a number of
 clients. Out: one `Record` per request (or question) with its submit, first-token and finish
 times, and `summarize` turns records plus engine counters into one table row. `output_records`
 makes the same Records from the outputs of a batch `Engine.run`/`generate` (timed from each
@@ -25,12 +25,12 @@ import concurrent.futures
 import dataclasses
 import time
 
-import numpy as np
-
-from hetero_jax.outputs import RequestOutput
+from hetero_jax.outputs import EmbeddingOutput, RequestOutput, sum_stats
 from hetero_jax.rag.iter_retgen import run_iter_retgen
 from hetero_jax.requests import EmbedRequest, GenerateRequest, PoolingParams, SamplingParams
 from hetero_jax.sched import EMBED, GENERATE as GEN
+from hetero_jax.serving.client import (FrontStats, GenerateStream, StepTimes, finished_only,
+                                       succeeded)
 from hetero_jax.sim.report import percentile
 
 QUESTION = "question"
@@ -102,8 +102,9 @@ async def closed_loop(front, items: list, clients: int, on_done=None, index=None
 
 
 class DedicatedFront:
-    """AsyncEngine's `generate`/`embed` over `DedicatedEngine.run`, one batch per worker at a
-    time (see the module docstring); a `rag.Front`."""
+    """The `EngineClient` over `DedicatedEngine.run`, one batch per worker at a time (see the
+    module docstring). A generation's stream has one delta, the finished one; `abort` does
+    nothing, since a worker's batch runs whole; `stats` sums the workers' counters."""
 
     def __init__(self, dengine, tokenizer):
         self.dengine = dengine
@@ -114,12 +115,20 @@ class DedicatedFront:
                          for k in self._queues}
         self.batch_sizes: dict = {EMBED: [], GEN: []}
 
-    async def generate(self, prompt, params=None):
-        return await self._submit(GEN, GenerateRequest(prompt, params or SamplingParams()))
+    def generate(self, prompt, params=None, request_id=None) -> GenerateStream:
+        request = GenerateRequest(prompt, params or SamplingParams())
+        return GenerateStream(finished_only(self._submit(GEN, request), request_id))
 
-    async def embed(self, x, params=None) -> np.ndarray:
+    async def embed(self, x, params=None, request_id=None) -> EmbeddingOutput:
         out = await self._submit(EMBED, EmbedRequest(x, params or PoolingParams()))
-        return out.embedding
+        return succeeded(out, out.request_id if request_id is None else request_id)
+
+    def abort(self, request_id) -> None:
+        """Nothing to do: a dedicated worker's batch runs whole."""
+
+    @property
+    def stats(self) -> FrontStats:
+        return FrontStats(sum_stats(list(self.dengine.stats.values())), {}, {}, StepTimes())
 
     async def _submit(self, kind: str, request):
         future = asyncio.get_running_loop().create_future()

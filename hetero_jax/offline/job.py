@@ -51,7 +51,7 @@ class EngineFront:
                 refused, exhausted = self._admit(items, keys)
                 busy = self.engine.has_work()
                 assert busy or not keys, f"{len(keys)} requests in flight, the engine idle"
-                finished = self.engine.step() if busy else []
+                finished = self.engine.step().finished if busy else []
                 done = [(keys.pop(r.request_id), self.engine.output(r)) for r in finished]
                 if refused or done:
                     yield refused + done

@@ -65,7 +65,7 @@ class EngineBatcher:
         numbers, results = admit(engine, [(int(i), pickle.loads(blob))
                                           for i, blob in zip(batch["i"], batch["request"])])
         while engine.has_work():  # an exception here fails the pipeline, and the job
-            results += [(numbers.pop(r.request_id), engine.output(r)) for r in engine.step()]
+            results += [(numbers.pop(r.request_id), engine.output(r)) for r in engine.step().finished]
         assert not numbers, f"{len(numbers)} requests unfinished, the engine idle"
         stats = [pickle.dumps((self.name, engine.stats))] + [b""] * (len(results) - 1)
         return {"i": [i for i, _ in results], "result": [pickle.dumps(r) for _, r in results],

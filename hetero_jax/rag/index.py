@@ -201,7 +201,7 @@ async def build_index(engine, docs: Sequence[str], ids: Sequence | None = None,
 
     async def one(i: int, doc: str) -> np.ndarray:
         try:
-            return await engine.embed(doc, params)
+            return (await engine.embed(doc, params)).embedding
         except ValueError as e:
             raise ValueError(f"document {i}: {e}") from e
 

@@ -1,7 +1,7 @@
 """Iterative retrieval (Iter-RetGen, Shao et al. 2023) on the heterogeneous engine.
 
-In: a `Front` (an `AsyncEngine`, or the bench's dedicated front: async `embed`/`generate`
-plus `tokenizer` and `max_model_len`), a `VectorIndex` and questions (strings or
+In: a `Front`, which is the `serving.client.EngineClient` every caller uses (an `AsyncEngine`,
+`AsyncReplicas`, or the bench's dedicated front), a `VectorIndex` and questions (strings or
 `QueryPlan`s). Out: per question, an `IterRetGenResult`.
 
 `run_iter_retgen` is one question's program, a coroutine on the event loop:
@@ -18,24 +18,12 @@ import asyncio
 import dataclasses
 import time
 from collections.abc import Callable, Sequence
-from typing import Protocol
 
 import numpy as np
 
-from hetero_jax.outputs import RequestOutput
 from hetero_jax.rag.index import VectorIndex, check_text
 from hetero_jax.requests import PoolingParams, SamplingParams
-
-
-class Front(Protocol):
-    """What the retrieval pipeline needs from an engine front."""
-
-    tokenizer: object  # encode(text) -> token ids; None: the model has no tokenizer
-    max_model_len: int
-
-    async def embed(self, x, params: PoolingParams | None = None) -> np.ndarray: ...
-
-    async def generate(self, prompt, params: SamplingParams | None = None) -> RequestOutput: ...
+from hetero_jax.serving.client import EngineClient as Front
 
 
 def build_prompt(docs: Sequence[str], question: str) -> str:
@@ -177,7 +165,7 @@ async def run_iter_retgen(front: Front, index: VectorIndex, question: str | Quer
     budget = _check_question(front, index, text, iterations, k, params, prompt_budget, prompt_fn)
     start = time.perf_counter()
     try:
-        query = await front.embed(instruction + text, pooling)  # [d]
+        query = (await front.embed(instruction + text, pooling)).embedding  # [d]
     except ValueError as e:
         raise ValueError(f"question {text[:40]!r}: {e}") from e
     first_embed_s = time.perf_counter() - start
@@ -193,7 +181,8 @@ async def run_iter_retgen(front: Front, index: VectorIndex, question: str | Quer
         if it + 1 < iterations:
             next_query = instruction + (f"{text}\n{out.text}" if out.text and out.text.strip()
                                         else text)
-            query = await front.embed(next_query, dataclasses.replace(pooling, truncate=True))
+            query = (await front.embed(next_query, dataclasses.replace(
+                pooling, truncate=True))).embedding
             t3 = time.perf_counter()
         records.append(IterationResult(
             rows=[int(r) for r in rows], doc_ids=[index.ids[r] for r in rows],

@@ -1,38 +1,51 @@
-"""asyncio front end: many coroutines submit requests; one background task batches them all.
+"""The in-process `EngineClient`: many coroutines, one engine, one stepping thread.
 
-`await engine.generate(prompt, params)` / `await engine.embed(x, params)` validate in the
-caller's coroutine (a bad request raises there and nowhere else), then hand the request to
-the stepper task. The stepper queues new requests and aborts between steps, runs each
-`Engine.step()` in a worker thread (so the event loop stays free for retrieval and other
-work), and resolves the futures of the requests that finished. Cancelling a coroutine aborts
-its request and frees its pages. A request the engine fails alone raises in its own
-coroutine; an error that belongs to no request fails every pending one; nothing is left
+`engine.generate(prompt, params, request_id=None)` returns a `client.GenerateStream`; its
+first iteration (or `await`) validates the request in the caller's coroutine (a bad one
+raises `RequestError` there and nowhere else) and hands it to the `stepper.Stepper` thread,
+and then it yields a `GenerateDelta` for every step that gave the request a token, the last
+one finished. `await engine.embed(x, params)` -> `EmbeddingOutput`. The stepper thread queues
+new requests and aborts between steps, steps, and builds each step's deltas from the
+host-side requests (no extra device read); it hands them to the event loop in one
+`call_soon_threadsafe` per step, so stepping never waits for a loop busy with HTTP or
+retrieval. Leaving a stream early, cancelling a coroutine or `abort(request_id)` aborts its
+request and frees its pages. A request the engine fails alone raises `RequestFailed` in its
+own coroutine; an error that belongs to no request fails every one in flight; nothing is left
 waiting. `close()` fails every pending request and frees what it held. An AsyncEngine serves
 one event loop (another loop gets a RuntimeError), and `Engine.run` refuses to run while its
-requests are in flight. It is a `rag.Front`: `tokenizer` and `max_model_len` are what the
-retrieval pipeline reads.
+requests are in flight.
 """
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 
-import numpy as np
-
+from hetero_jax.outputs import RequestFailed
 from hetero_jax.requests import EmbedRequest, GenerateRequest, PoolingParams, SamplingParams
+from hetero_jax.serving.client import FrontStats, GenerateStream, StepTimes, admitted
 from hetero_jax.serving.engine import Engine
+from hetero_jax.serving.stepper import Stepper
+
+
+class _Flow:
+    """One request in flight: where its outputs go."""
+
+    def __init__(self, request_id):
+        self.request_id = request_id  # the caller's id (the engine's, when it named none)
+        self.queue: asyncio.Queue = asyncio.Queue()  # outputs; None: raise `error`
+        self.error: Exception | None = None
+
+    def fail(self, error: Exception) -> None:
+        self.error = error
+        self.queue.put_nowait(None)
 
 
 class AsyncEngine:
     def __init__(self, engine: Engine):
         self.engine = engine
-        self._pending: list = []  # prepared Request handles to enqueue before the next step
-        self._aborts: list = []  # request ids to abort before the next step
-        self._futures: dict = {}  # request id -> asyncio.Future, until it is resolved
+        self._flows: dict = {}  # engine request id -> _Flow, until it is resolved
+        self._ids: dict = {}  # the caller's request id -> the engine's
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._wake: asyncio.Event | None = None
-        self._task: asyncio.Task | None = None
-        self._thread = concurrent.futures.ThreadPoolExecutor(1, "hetero-jax-step")
+        self._stepper: Stepper | None = None  # started by the first request
         self._closed = False
 
     @property
@@ -43,98 +56,111 @@ class AsyncEngine:
     def max_model_len(self) -> int:
         return self.engine.config.max_model_len
 
-    async def generate(self, prompt, params: SamplingParams | None = None):
-        """-> RequestOutput."""
-        return await self._submit(GenerateRequest(prompt, params or SamplingParams()))
+    @property
+    def stats(self) -> FrontStats:
+        waiting, running = self.engine.load()
+        if self._stepper is None:
+            return FrontStats(self.engine.stats, waiting, running, StepTimes())
+        for kind, n in self._stepper.num_queued().items():
+            waiting[kind] = waiting.get(kind, 0) + n
+        return FrontStats(self.engine.stats, waiting, running, self._stepper.steps)
 
-    async def embed(self, x, params: PoolingParams | None = None) -> np.ndarray:
-        """-> the embedding `[d]`."""
-        out = await self._submit(EmbedRequest(x, params or PoolingParams()))
-        return out.embedding
+    def generate(self, prompt, params: SamplingParams | None = None,
+                 request_id=None) -> GenerateStream:
+        request = GenerateRequest(prompt, params or SamplingParams())
+        return GenerateStream(self._deltas(request, request_id))
 
-    async def _submit(self, request):
-        self._bind(asyncio.get_running_loop())
-        (req,) = self.engine.prepare([request])  # raises here, in the caller, on bad input
-        future = self._loop.create_future()
-        self._futures[req.request_id] = future
-        self._pending.append(req)
-        self._ensure_stepper()
+    async def embed(self, x, params: PoolingParams | None = None, request_id=None):
+        """-> EmbeddingOutput (its `embedding` `[d]`, its `prompt_token_ids`)."""
+        flow = self._submit(EmbedRequest(x, params or PoolingParams()), request_id, "input")
         try:
-            return await future
-        except asyncio.CancelledError:
-            if self._futures.pop(req.request_id, None) is not None:
-                self._aborts.append(req.request_id)
-                self._wake.set()
-            raise
+            return await self._next(flow)
+        finally:
+            self._forget(flow)
+
+    def abort(self, request_id) -> None:
+        """End a request by the caller's id (unknown or finished ids are ignored); its
+        coroutine raises RequestFailed."""
+        flow = self._flows.get(self._ids.get(request_id))
+        if flow is not None:
+            self._forget(flow)
+            flow.fail(RequestFailed(request_id, f"request {request_id!r} was aborted"))
+
+    async def _deltas(self, request, request_id):
+        flow = self._submit(request, request_id, "prompt")
+        try:
+            while True:
+                out = await self._next(flow)
+                yield out
+                if out.finished:
+                    return
+        finally:
+            self._forget(flow)
+
+    @staticmethod
+    async def _next(flow: _Flow):
+        out = await flow.queue.get()
+        if out is None:
+            raise flow.error
+        return out
+
+    def _submit(self, request, request_id, field: str) -> _Flow:
+        self._bind(asyncio.get_running_loop())
+        (req,) = admitted(lambda: self.engine.prepare([request]), field, request_id, self._ids)
+        rid = req.request_id if request_id is None else request_id
+        flow = self._flows[req.request_id] = _Flow(rid)
+        self._ids[rid] = req.request_id
+        if self._stepper is None:
+            self._stepper = Stepper(self.engine, self._from_thread)
+        self._stepper.add(req, rid)
+        return flow
+
+    def _forget(self, flow: _Flow) -> None:
+        """The caller is done with `flow`: a request still in flight is aborted."""
+        rid = self._ids.pop(flow.request_id, None)
+        if self._flows.pop(rid, None) is not None:
+            self._stepper.abort(rid)
 
     def _bind(self, loop) -> None:
         if self._closed:
             raise RuntimeError("this AsyncEngine is closed; make a new one")
         if self._loop is not None and self._loop is not loop:
-            if not self._loop.is_closed() or self._futures:
+            if not self._loop.is_closed() or self._flows:
                 raise RuntimeError(f"this AsyncEngine serves event loop {id(self._loop):#x} and "
                                    f"was called from loop {id(loop):#x}; make one AsyncEngine "
                                    "per event loop")
-            self._task = None  # the old loop is gone, and its stepper with it
         self._loop = loop
 
-    def _ensure_stepper(self) -> None:
-        if self._task is None or self._task.done():
-            self._wake = asyncio.Event()
-            self._task = self._loop.create_task(self._stepper())
-        self._wake.set()
+    def _from_thread(self, events: list) -> None:
+        """The stepper's events, handed to the event loop (dropped if it is gone)."""
+        try:
+            self._loop.call_soon_threadsafe(self._deliver, events)
+        except RuntimeError:  # the loop closed: nobody waits for these any more
+            pass
 
-    async def _stepper(self) -> None:
-        while True:
-            try:
-                self._apply_queued()
-                if not self.engine.has_work():
-                    self._wake.clear()
-                    await self._wake.wait()
-                    continue
-                finished = await self._loop.run_in_executor(self._thread, self.engine.step)
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:  # belongs to no single request: fail them all, keep serving
-                self._fail_all(e)
+    def _deliver(self, events: list) -> None:
+        for rid, kind, value in events:
+            flow = self._flows.get(rid)
+            if flow is None:
                 continue
-            for req in finished:
-                self._resolve(req)
-
-    def _apply_queued(self) -> None:
-        for rid in self._aborts:
-            self.engine.abort(rid)
-        self._aborts.clear()
-        pending, self._pending = self._pending, []
-        self.engine.enqueue(pending)
-
-    def _resolve(self, req) -> None:
-        future = self._futures.pop(req.request_id, None)
-        if future is None or future.done():
-            return
-        out = self.engine.output(req)  # never raises: a broken one comes back as an error
-        if out.finish_reason == "error":
-            future.set_exception(RuntimeError(out.error))
-        else:
-            future.set_result(out)
-
-    def _fail_all(self, error: BaseException) -> None:
-        """Every request in flight fails with `error`; the engine forgets them."""
-        self._pending.clear()
-        self._aborts.clear()
-        for rid, future in list(self._futures.items()):
-            self.engine.abort(rid)
-            if not future.done():
-                future.set_exception(error)
-        self._futures.clear()
+            if kind == "out":
+                flow.queue.put_nowait(value)
+                continue
+            del self._flows[rid]
+            self._ids.pop(flow.request_id, None)
+            if kind == "end":
+                flow.queue.put_nowait(value)
+            else:
+                flow.fail(value)
 
     async def close(self) -> None:
-        """Stop the stepper; every request still in flight raises RuntimeError in its coroutine
-        and is aborted in the engine (its pages and slots freed)."""
+        """Stop the stepper; every request still in flight raises RequestFailed in its
+        coroutine and is aborted in the engine (its pages and slots freed)."""
         self._closed = True
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-        self._thread.shutdown(wait=True)  # a step still running in the thread ends first
-        self._apply_queued()
-        self._fail_all(RuntimeError("the AsyncEngine was closed before this request finished"))
+        if self._stepper is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self._stepper.stop)
+        flows, self._flows = self._flows, {}
+        self._ids.clear()
+        for flow in flows.values():
+            flow.fail(RequestFailed(flow.request_id, "the AsyncEngine was closed before this "
+                                                     "request finished"))

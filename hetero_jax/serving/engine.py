@@ -7,7 +7,9 @@ raises before anything is queued), the host `sched.Scheduler` queues it and deci
 step, `runner.DecoderRunner` (and a separate encoder's `runner.EncoderRunner`) run the
 step's plain-data items on the device, `Scheduler.update` advances the requests, and
 `output_processor` formats the finished ones. Generation and embedding requests share the
-same steps (`run`); `add`/`step`/`abort`/`output` expose the loop to `AsyncEngine`.
+same steps (`run`); `add`/`step`/`abort`/`output` expose the loop to `AsyncEngine`. Each
+`step` returns a `StepOutput`: the requests it finished and those it gave a token and that go
+on, so a front streams per-step deltas from host state the step already copied back.
 """
 from __future__ import annotations
 
@@ -48,6 +50,14 @@ from hetero_jax.serving.input_processor import EmbeddingModel, InputProcessor
 from hetero_jax.serving.output_processor import error_output, make_output
 from hetero_jax.sim.costmodel import engine_step_cost
 from hetero_jax.sim.kvreads import CascadeSettings
+
+
+@dataclasses.dataclass
+class StepOutput:
+    """What one `Engine.step` did, as `sched.Request` handles (read them between steps)."""
+
+    finished: list  # finished, failed or aborted in this step
+    progressed: list  # sampled a token in this step and go on
 
 
 class Engine(BatchAPI):
@@ -186,7 +196,7 @@ class Engine(BatchAPI):
             start, tokens0 = time.perf_counter(), self.stats.generated_tokens
             try:
                 while self.has_work():
-                    bar.update(len(self.step()))
+                    bar.update(len(self.step().finished))
                     rate = (self.stats.generated_tokens - tokens0) / (time.perf_counter() - start)
                     bar.set_postfix(tok_s=f"{rate:.1f}", refresh=False)
             finally:
@@ -218,9 +228,10 @@ class Engine(BatchAPI):
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
-    def step(self) -> list:
+    def step(self) -> StepOutput:
         """One scheduled step: the separate encoder's pass (if it has items), then the
-        decoder's (if it has items); returns the requests that finished (or failed).
+        decoder's (if it has items); returns the requests that finished (or failed) and those
+        that sampled a token and go on.
 
         When running the step raises, the items whose own data cannot be packed are failed
         alone (`finish_reason="error"`, pages and slots freed) and the others run next step;
@@ -233,11 +244,22 @@ class Engine(BatchAPI):
             try:
                 runner_out = self._execute(out)
             except Exception as error:
-                return self._fail_culprits(out, error)
+                return StepOutput(self._fail_culprits(out, error), [])
             failed = self._fail_non_finite(runner_out)
             finished = self.scheduler.update(out, runner_out, time.perf_counter())
             self._account(out, runner_out)
-            return failed + finished
+            live = self.scheduler.requests
+            return StepOutput(failed + finished,
+                              [live[rid] for rid in runner_out.sampled if rid in live])
+
+    def load(self) -> tuple[dict, dict]:
+        """(waiting, running): request counts by kind ("generate", "embed"); callable from
+        another thread while a step runs (it reads copies)."""
+        waiting = {kind: len(q) for kind, q in list(self.scheduler.waiting.items())}
+        running = dict.fromkeys(waiting, 0)
+        for req in list(self.scheduler.running):
+            running[req.kind] = running.get(req.kind, 0) + 1
+        return waiting, running
 
     def abort(self, request_id) -> None:
         """Drop a request wherever it is; the scheduler frees its pages and pooler slot."""

@@ -3,11 +3,12 @@
 In: a `sched.Request` and the tokenizer that decodes generated ids (None: no text). Out: a
 `RequestOutput` (token ids, text, log-probs as asked, finish reason, timing metrics) or an
 `EmbeddingOutput` (the vector `[d]`, metrics); `error_output` for a request the engine failed
-alone (its `error` says why).
+alone (its `error` says why). `delta` is what a step added to a running generation, for a
+front that streams: new ids, their text and log-probs, read from the host-side request.
 """
 from __future__ import annotations
 
-from hetero_jax.outputs import EmbeddingOutput, RequestOutput
+from hetero_jax.outputs import EmbeddingOutput, GenerateDelta, RequestOutput
 from hetero_jax.sched import Request
 
 
@@ -22,10 +23,7 @@ def make_output(req: Request, tokenizer) -> RequestOutput | EmbeddingOutput:
                                    arrival_time=req.arrival_time, finish_time=req.finish_time,
                                    latency_s=_since_arrival(req, req.finish_time),
                                    cached_tokens=req.num_cached_tokens))
-    k = req.knobs.logprobs
-    logprobs = None if k is None else [
-        {"logprob": t.logprob, "top": list(zip(t.top_token_ids[:k], t.top_logprobs[:k]))}
-        for t in req.output_logprobs]
+    logprobs = _logprobs(req, 0)
     text = tokenizer.decode(req.output_token_ids) if tokenizer else None
     metrics = dict(arrival_time=req.arrival_time, first_token_time=req.first_token_time,
                    finish_time=req.finish_time,
@@ -34,6 +32,42 @@ def make_output(req: Request, tokenizer) -> RequestOutput | EmbeddingOutput:
                    preemptions=req.num_preemptions, cached_tokens=req.num_cached_tokens)
     return RequestOutput(req.request_id, req.prompt_token_ids, list(req.output_token_ids),
                          text, req.finish_reason, logprobs, metrics)
+
+
+def _logprobs(req: Request, start: int) -> list | None:
+    """The log-probs of generated tokens `start:`, with the top-k the request asked for."""
+    k = req.knobs.logprobs
+    return None if k is None else [
+        {"logprob": t.logprob, "top": list(zip(t.top_token_ids[:k], t.top_logprobs[:k]))}
+        for t in req.output_logprobs[start:]]
+
+
+def text_delta(tokenizer, token_ids: list, sent: str) -> str:
+    """The text `token_ids` add to the `sent` text of their first ids: "" while the decoded
+    text ends in an incomplete character (U+FFFD) or does not extend `sent`."""
+    if tokenizer is None:
+        return ""
+    text = tokenizer.decode(token_ids)
+    if text.endswith("\ufffd") or not text.startswith(sent):
+        return ""
+    return text[len(sent):]
+
+
+def delta(req: Request, num_sent: int, sent: str, tokenizer, request_id) -> GenerateDelta:
+    """What a running generation added since its first `num_sent` ids (text `sent`)."""
+    ids = list(req.output_token_ids)
+    return GenerateDelta(request_id, ids[num_sent:], text_delta(tokenizer, ids, sent),
+                         _logprobs(req, num_sent), prompt_tokens=len(req.prompt_token_ids))
+
+
+def final_delta(out: RequestOutput, num_sent: int, sent: str, request_id) -> GenerateDelta:
+    """The last delta of a generation: what `out` holds beyond the `num_sent` ids (text
+    `sent`) already streamed, and `out` itself."""
+    text = out.text or ""
+    return GenerateDelta(request_id, out.token_ids[num_sent:],
+                         text[len(sent):] if text.startswith(sent) else "",
+                         None if out.logprobs is None else out.logprobs[num_sent:], True, out,
+                         len(out.prompt_token_ids))
 
 
 def error_output(req: Request) -> RequestOutput | EmbeddingOutput:

@@ -110,7 +110,7 @@ class EngineActor:
         try:
             while engine.has_work():
                 results += [(tags.pop(r.request_id), engine.output(r), None)
-                            for r in engine.step()]
+                            for r in engine.step().finished]
         except Exception as e:  # noqa: BLE001 - no request to blame: fail this call's own
             why = ("RuntimeError", f"a replica failed a step: {type(e).__name__}: {e}")
             for request_id, tag in tags.items():

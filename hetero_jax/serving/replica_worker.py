@@ -57,7 +57,7 @@ def worker(index: int, core: int, spec: ModelSource, config: EngineConfig, conn)
             if reply is not None:
                 conn.send(reply)
         try:
-            finished = engine.step()
+            finished = engine.step().finished
         except Exception as e:  # noqa: BLE001 - no request to blame: fail this replica's own
             why = ("RuntimeError", f"replica {index} failed a step: {type(e).__name__}: {e}")
             results = [(tag, None, why) for tag in tags.values()]

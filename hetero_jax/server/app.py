@@ -1,0 +1,370 @@
+"""The OpenAI-compatible HTTP routes, on FastAPI, over one `serving.client.EngineClient`.
+
+In: HTTP requests on the event loop uvicorn runs. Every route reaches the engine only through
+the client it was built with (`build_app(client, ServerConfig(...))`). A request goes through
+`_serve`, the one gate: the bearer key (401), the body size (413), the JSON body against its
+`protocol` model (400), the model name (404), the queue bound (503 with Retry-After), then its
+handler. Any failure, there or in the handler, becomes its status and OpenAI error body in
+`errors.as_api_error`, the one place that maps them. A streamed answer is server-sent events
+(`data: {chunk}` ... `data: [DONE]`); its first piece is awaited before the status is sent, so
+a request the engine refuses still gets its 400. A client that disconnects aborts its
+requests: a stream's generator is cancelled by the server and closes its choices, and a plain
+request is watched until it ends (`_unless_disconnected`).
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import hmac
+import json
+import time
+import uuid
+
+from fastapi import FastAPI, Request
+from starlette.exceptions import HTTPException
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+
+from hetero_jax.outputs import RequestError
+from hetero_jax.server import openai_format as fmt
+from hetero_jax.server.chat import DEFAULT_TEMPLATE, ChatTemplate
+from hetero_jax.server.errors import ApiError, as_api_error, error_body
+from hetero_jax.server.generation import choice_pieces, merged
+from hetero_jax.server.metrics import Counters, prometheus_text
+from hetero_jax.server.protocol import ChatRequest, CompletionRequest, EmbeddingRequest
+
+DISCONNECT_POLL_S = 0.25  # how often a plain (not streamed) request checks its client
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerConfig:
+    model: str  # the name clients pass as `model`
+    api_key: str | None = None  # None: no key needed
+    max_queued: int = 1024  # waiting requests beyond which new ones get 503
+    max_body_bytes: int = 4 << 20  # larger bodies get 413
+    chat_template: str = DEFAULT_TEMPLATE
+    retry_after_s: int = 1  # the Retry-After of a 503
+
+
+@dataclasses.dataclass
+class _State:
+    client: object  # the EngineClient
+    config: ServerConfig
+    chat: ChatTemplate
+    counters: Counters
+
+
+def build_app(client, config: ServerConfig) -> FastAPI:
+    """The server's routes over `client` (an EngineClient); uvicorn runs the returned app."""
+    app = FastAPI(title="hetero-jax", docs_url=None, redoc_url=None, openapi_url=None)
+    tok = client.tokenizer
+    special = dict(bos_token=_special(tok, "bos_token"), eos_token=_special(tok, "eos_token"))
+    state = _State(client, config, ChatTemplate(config.chat_template, **special), Counters())
+    app.state.server = state
+
+    @app.exception_handler(HTTPException)
+    async def no_route(request: Request, exc: HTTPException):  # unknown path or method
+        error = ApiError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}")
+        state.counters.count(request.url.path, error.status)
+        return JSONResponse(error_body(error), error.status)
+
+    def gated(model_cls, handler):
+        async def endpoint(request: Request):
+            return await _serve(state, request, model_cls, handler)
+        return endpoint
+
+    for path, method, model_cls, handler in _routes():
+        app.add_api_route(path, gated(model_cls, handler), methods=[method])
+
+    @app.get("/health")
+    async def health():
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(prometheus_text(state.client.stats, state.counters),
+                                 media_type="text/plain; version=0.0.4")
+
+    return app
+
+
+def _special(tokenizer, name: str) -> str:
+    value = getattr(tokenizer, name, "") if tokenizer is not None else ""
+    return value if isinstance(value, str) else ""
+
+
+async def _serve(state: _State, request: Request, model_cls, handler) -> Response:
+    """The one gate of every /v1 route; see the module docstring."""
+    route = request.url.path
+    try:
+        _check_key(state.config, request)
+        req = None
+        if model_cls is not None:
+            req = model_cls.model_validate_json(await _body(request, state.config))
+            if req.model != state.config.model:
+                raise ApiError(404, f"model {req.model!r} does not exist; this server serves "
+                                    f"{state.config.model!r}", "model", "model_not_found")
+            _check_queue(state)
+        response = await handler(state, request, req)
+    except Exception as e:  # noqa: BLE001 - every failure is answered, in one place
+        error = as_api_error(e)
+        state.counters.count(route, error.status)
+        return JSONResponse(error_body(error), error.status, headers=error.headers)
+    state.counters.count(route, response.status_code)
+    return response
+
+
+def _check_key(config: ServerConfig, request: Request) -> None:
+    if config.api_key is None:
+        return
+    scheme, _, key = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(key.encode(),
+                                                             config.api_key.encode()):
+        raise ApiError(401, "a valid API key is needed: send 'Authorization: Bearer KEY'",
+                       None, "invalid_api_key")
+
+
+async def _body(request: Request, config: ServerConfig) -> bytes:
+    limit = config.max_body_bytes
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise ApiError(413, f"the request body has {declared} bytes; the limit is {limit}",
+                       None, "request_too_large")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise ApiError(413, f"the request body exceeds the limit of {limit} bytes", None,
+                           "request_too_large")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _check_queue(state: _State) -> None:
+    waiting = sum(state.client.stats.waiting.values())
+    if waiting >= state.config.max_queued:
+        raise ApiError(503, f"{waiting} requests are waiting, the bound is "
+                            f"{state.config.max_queued}; retry later", None, "queue_full",
+                       {"Retry-After": str(state.config.retry_after_s)})
+
+
+async def _models(state: _State, request: Request, req) -> Response:
+    card = {"id": state.config.model, "object": "model", "created": 0, "owned_by": "hetero-jax",
+            "max_model_len": state.client.max_model_len}
+    return JSONResponse({"object": "list", "data": [card]})
+
+
+# -- the /v1 routes: (path, method, body model or None, handler) -----------------------------
+def _routes() -> list:
+    return [("/v1/completions", "POST", CompletionRequest, _completion),
+            ("/v1/chat/completions", "POST", ChatRequest, _chat),
+            ("/v1/embeddings", "POST", EmbeddingRequest, _embeddings),
+            ("/v1/models", "GET", None, _models)]
+
+
+# -- completions and chat --------------------------------------------------------------------
+def _stops(stop) -> list:
+    return [] if stop is None else [stop] if isinstance(stop, str) else list(stop)
+
+
+async def _completion(state: _State, request: Request, req: CompletionRequest) -> Response:
+    if req.best_of is not None and req.best_of != req.n:
+        raise ApiError(400, f"best_of={req.best_of} must equal n={req.n} (no ranking here)",
+                       "best_of", "unsupported")
+    prompts = fmt.inputs_of(req.prompt, "prompt")
+    max_tokens = req.max_tokens or fmt.COMPLETION_MAX_TOKENS
+    choices = [(p, fmt.sampling_params(req, max_tokens, req.logprobs, fmt.choice_seed(req.seed, j)))
+               for p in prompts for j in range(req.n)]
+    return await _generate(state, request, req, "text_completion", f"cmpl-{_uid()}", choices)
+
+
+async def _chat(state: _State, request: Request, req: ChatRequest) -> Response:
+    if req.top_logprobs is not None and not req.logprobs:
+        raise ApiError(400, "top_logprobs needs logprobs=true", "top_logprobs", "invalid_value")
+    tokenizer = state.client.tokenizer
+    if tokenizer is None:
+        raise ApiError(400, "this model has no tokenizer; chat needs one", "messages")
+    messages = [{"role": m.role, "content": m.content if isinstance(m.content, str) else
+                 "".join(part.text for part in m.content)} for m in req.messages]
+    prompt = state.chat.render(messages, req.add_generation_prompt)
+    max_tokens = req.max_completion_tokens or req.max_tokens or max(
+        state.client.max_model_len - len(tokenizer.encode(prompt)), 1)
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    choices = [(prompt, fmt.sampling_params(req, max_tokens, logprobs,
+                                            fmt.choice_seed(req.seed, j))) for j in range(req.n)]
+    return await _generate(state, request, req, "chat.completion", f"chatcmpl-{_uid()}",
+                           choices)
+
+
+def _uid() -> str:
+    return uuid.uuid4().hex
+
+
+async def _generate(state, request, req, kind: str, rid: str, choices: list) -> Response:
+    """Run every choice; a whole body, or (`stream`) server-sent events of chunks."""
+    streams = [choice_pieces(state.client, prompt, params, f"{rid}-{i}", _stops(req.stop))
+               for i, (prompt, params) in enumerate(choices)]
+    pieces = merged(streams)
+    try:
+        first = await _unless_disconnected(state, request, anext(pieces, None))
+    except BaseException:
+        await pieces.aclose()
+        raise
+    render = _Render(state, req, kind, rid, len(choices))
+    if req.stream:
+        return StreamingResponse(_events(state, render, first, pieces),
+                                 media_type="text/event-stream")
+    return JSONResponse(await _unless_disconnected(state, request,
+                                                   render.whole(first, pieces)))
+
+
+async def _unless_disconnected(state: _State, request: Request, awaitable):
+    """`awaitable`'s result; if the client goes away first it is cancelled (its requests
+    aborted) and the handler is cancelled too."""
+    task = asyncio.ensure_future(awaitable)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                state.counters.disconnects += 1
+                raise asyncio.CancelledError("the client disconnected")
+    finally:
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+
+async def _events(state: _State, render, first, pieces):
+    """The SSE body; leaving early (the client went away) closes every choice."""
+    finished = False
+    try:
+        item = first
+        while item is not None:
+            yield _sse(render.chunk(*item))
+            item = await anext(pieces, None)
+        if render.include_usage:
+            yield _sse(render.usage_chunk())
+        yield "data: [DONE]\n\n"
+        finished = True
+    except Exception as e:  # noqa: BLE001 - after the 200: the error goes in the stream
+        yield _sse(error_body(as_api_error(e)))
+        finished = True
+    finally:
+        if not finished:
+            state.counters.disconnects += 1
+        await pieces.aclose()
+
+
+def _sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+
+
+class _Render:
+    """Pieces -> OpenAI chunks or one whole body, counting usage as they pass."""
+
+    def __init__(self, state: _State, req, kind: str, rid: str, n_choices: int):
+        self.tokenizer, self.model = state.client.tokenizer, state.config.model
+        self.kind, self.rid, self.n = kind, rid, req.n
+        self.chat = kind == "chat.completion"
+        self.token_ids = req.return_token_ids
+        self.include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        self.prompt_tokens, self.completion_tokens = 0, 0
+        self.offsets = [0] * n_choices
+        self.started = [False] * n_choices
+
+    def _count(self, index: int, piece) -> None:
+        self.completion_tokens += len(piece.token_ids)
+        if piece.finish_reason is not None and index % self.n == 0:
+            self.prompt_tokens += piece.prompt_tokens  # each prompt once, not once per choice
+
+    def _logprobs(self, index: int, piece):
+        lps = fmt.with_ids(piece.logprobs, piece.token_ids)
+        if self.chat:
+            return fmt.chat_logprobs(self.tokenizer, lps)
+        out = fmt.completion_logprobs(self.tokenizer, lps, self.offsets[index])
+        self.offsets[index] += len(piece.text)
+        return out
+
+    def chunk(self, index: int, piece) -> dict:
+        self._count(index, piece)
+        choice = {"index": index, "logprobs": self._logprobs(index, piece),
+                  "finish_reason": piece.finish_reason}
+        if self.chat:
+            delta = {"content": piece.text}
+            if not self.started[index]:
+                delta, self.started[index] = {"role": "assistant", **delta}, True
+            choice["delta"] = delta
+        else:
+            choice["text"] = piece.text
+        if self.token_ids:
+            choice["token_ids"] = piece.token_ids
+        kind = "chat.completion.chunk" if self.chat else "text_completion"
+        return fmt.body(kind, self.rid, self.model, [choice], None)
+
+    def usage_chunk(self) -> dict:
+        kind = "chat.completion.chunk" if self.chat else "text_completion"
+        return fmt.body(kind, self.rid, self.model, [],
+                        fmt.usage(self.prompt_tokens, self.completion_tokens))
+
+    async def whole(self, first, pieces) -> dict:
+        texts, lps, reasons, ids = {}, {}, {}, {}
+        item = first
+        while item is not None:
+            index, piece = item
+            self._count(index, piece)
+            texts[index] = texts.get(index, "") + piece.text
+            ids[index] = ids.get(index, []) + piece.token_ids
+            if piece.logprobs is not None:
+                lps.setdefault(index, []).extend(fmt.with_ids(piece.logprobs, piece.token_ids))
+            reasons[index] = piece.finish_reason
+            item = await anext(pieces, None)
+        choices = []
+        for i in sorted(texts):
+            lp = lps.get(i)
+            if self.chat:
+                choices.append({"index": i, "message": {"role": "assistant",
+                                                        "content": texts[i]},
+                                "logprobs": fmt.chat_logprobs(self.tokenizer, lp),
+                                "finish_reason": reasons[i]})
+            else:
+                choices.append({"index": i, "text": texts[i], "finish_reason": reasons[i],
+                                "logprobs": fmt.completion_logprobs(self.tokenizer, lp, 0)})
+            if self.token_ids:
+                choices[-1]["token_ids"] = ids[i]
+        return fmt.body(self.kind, self.rid, self.model, choices,
+                        fmt.usage(self.prompt_tokens, self.completion_tokens))
+
+
+# -- embeddings ------------------------------------------------------------------------------
+async def _embeddings(state: _State, request: Request, req: EmbeddingRequest) -> Response:
+    inputs = fmt.inputs_of(req.input, "input")
+    params = fmt.pooling_params(req)
+    rid = f"embd-{_uid()}"
+
+    async def one(i: int, x):
+        try:
+            return await state.client.embed(x, params, request_id=f"{rid}-{i}")
+        except RequestError as e:
+            raise RequestError(i, e.field, f"input {i}: {e.reason}") from e
+
+    outs = await _unless_disconnected(state, request, _all([one(i, x)
+                                                            for i, x in enumerate(inputs)]))
+    dim = len(outs[0].embedding)
+    if req.dimensions is not None and req.dimensions != dim:
+        raise ApiError(400, f"dimensions={req.dimensions}: this model's embeddings have {dim}",
+                       "dimensions", "invalid_value")
+    return JSONResponse(fmt.embedding_body(outs, state.config.model, req.encoding_format))
+
+
+async def _all(coros: list) -> list:
+    """Every result in order; the first failure cancels the rest (their requests aborted)."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        return await asyncio.gather(*tasks)
+    finally:
+        for t in tasks:
+            t.cancel()
+        with contextlib.suppress(Exception):
+            await asyncio.gather(*tasks, return_exceptions=True)

@@ -1,0 +1,95 @@
+"""What HTTP costs: one trace, alternately over loopback to a running server and in process.
+
+    python scripts/serve_overhead.py --url http://127.0.0.1:8000 --preset tiny --pairs 5 \
+        [bench-serve trace flags: --requests 200 --rate inf --embed-frac 0.5 ...]
+
+The server must run the same engine flags (`hetero-jax serve --preset tiny ...`); this process
+builds the same engine behind an `AsyncEngine`. Each pair runs the same seeded trace over
+HTTP (`bench.online.HttpSender`, streamed) and then through the in-process `EngineClient`
+(`ClientSender`), so the machine's background load falls on both alike. Prints each pair's
+requests/s and p50 latencies and the medians of the ratios: requests/s HTTP / in process,
+and the added p50 end-to-end latency (ms) per type. Since other work on the machine moves wall
+times a lot, each round also counts CPU seconds: with `--server-pid`, the server process's
+and this process's (the HTTP client's) for HTTP rounds, this process's (engine and caller) for
+in-process rounds; their ratio is the cost of HTTP that load does not move.
+"""
+import argparse
+import asyncio
+import os
+import statistics
+import sys
+
+from hetero_jax.bench.online import ClientSender, HttpSender, build_parser, make_trace, \
+    run_trace
+from hetero_jax.bench.online_report import summarize
+from hetero_jax.server.cli import build_client
+from hetero_jax.server.cli import build_parser as serve_parser
+
+SLO = dict(ttft_s=1.0, tpot_s=0.2, e2e_s=1.0)
+
+
+def cpu_s(pid: int | None) -> float:
+    """CPU seconds (user + system) of process `pid` (None: this one)."""
+    if pid is None:
+        t = os.times()
+        return t.user + t.system
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def one_round(sender, trace, server_pid=None) -> dict:
+    await sender.open()
+    before = cpu_s(None), cpu_s(server_pid) if server_pid else 0.0
+    try:
+        row = summarize(await run_trace(trace, sender), SLO)
+    finally:
+        await sender.close()
+    after = cpu_s(None), cpu_s(server_pid) if server_pid else 0.0
+    return dict(row, cpu_s=after[0] - before[0] + after[1] - before[1],
+                server_cpu_s=after[1] - before[1])
+
+
+async def pairs(args, serve_argv: list) -> list:
+    http = HttpSender(args.url, None, args.output_len, stream=True)
+    local = ClientSender(build_client(serve_parser().parse_args(serve_argv)), args.output_len)
+    warm = make_trace(argparse.Namespace(**dict(vars(args), requests=8)), 99)
+    await one_round(http, warm)
+    await one_round(local, warm)
+    out = []
+    for i in range(args.pairs):
+        trace = make_trace(args, args.seed + i)
+        out.append((await one_round(http, trace, args.server_pid),
+                    await one_round(local, trace)))
+        h, p = out[-1]
+        print(f"pair {i}: CPU s http {h['cpu_s']:.2f} (server {h['server_cpu_s']:.2f}) "
+              f"in-process {p['cpu_s']:.2f}; req/s http {h['requests_per_s']:.2f} in-process "
+              f"{p['requests_per_s']:.2f}; gen p50 ms {h['generate_e2e_p50_ms']:.1f} / "
+              f"{p['generate_e2e_p50_ms']:.1f}; embed p50 ms {h['embed_e2e_p50_ms']:.1f} / "
+              f"{p['embed_e2e_p50_ms']:.1f}; errors {h['errors']} / {p['errors']}", flush=True)
+    return out
+
+
+def main(argv) -> None:
+    ap = argparse.ArgumentParser(parents=[build_parser()], add_help=False)
+    ap.add_argument("--pairs", type=int, default=5)
+    args = ap.parse_args(argv)
+    serve_argv = ["--preset", args.preset or "tiny"]
+    for flag in ("token_budget", "max_num_seqs", "chunk_size", "max_model_len"):
+        if getattr(args, flag) is not None:
+            serve_argv += [f"--{flag.replace('_', '-')}", getattr(args, flag)]
+    out = asyncio.run(pairs(args, serve_argv))
+    ratio = statistics.median(h["requests_per_s"] / p["requests_per_s"] for h, p in out)
+    print(f"median requests/s ratio http / in-process: {ratio:.3f}")
+    if args.server_pid:
+        for key in ("cpu_s", "server_cpu_s"):
+            cpu = statistics.median(p["cpu_s"] / h[key] for h, p in out)
+            print(f"median CPU-seconds ratio in-process / http ({key}): {cpu:.3f}")
+    for kind in ("generate", "embed"):
+        key = f"{kind}_e2e_p50_ms"
+        added = statistics.median(h[key] - p[key] for h, p in out if h[key] and p[key])
+        print(f"median added p50 latency, {kind}: {added:.1f} ms")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
