@@ -30,7 +30,8 @@ SPEC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "h200.txtpb")
 
 def unavailable() -> str | None:
     """Why this process cannot compile for the H200 target, or None when it can."""
-    if importlib.util.find_spec("jax_plugins.xla_cuda12") is None:
+    if importlib.util.find_spec("jax_plugins") is None or \
+            importlib.util.find_spec("jax_plugins.xla_cuda12") is None:
         return "no CUDA PJRT plugin: pip install -e '.[gpu-compile]'"
     if os.environ.get("JAX_PLATFORMS", "") != "cpu":
         return "set JAX_PLATFORMS=cpu before jax starts (the plugin would look for a GPU)"

@@ -58,7 +58,7 @@ class AsyncEngine:
 
     @property
     def stats(self) -> FrontStats:
-        waiting, running = self.engine.load()
+        waiting, running = self.engine.queue_counts()
         if self._stepper is None:
             return FrontStats(self.engine.stats, waiting, running, StepTimes())
         for kind, n in self._stepper.num_queued().items():

@@ -252,7 +252,7 @@ class Engine(BatchAPI):
             return StepOutput(failed + finished,
                               [live[rid] for rid in runner_out.sampled if rid in live])
 
-    def load(self) -> tuple[dict, dict]:
+    def queue_counts(self) -> tuple[dict, dict]:
         """(waiting, running): request counts by kind ("generate", "embed"); callable from
         another thread while a step runs (it reads copies)."""
         waiting = {kind: len(q) for kind, q in list(self.scheduler.waiting.items())}
