@@ -20,6 +20,7 @@ from hetero_jax.train.checkpoint import export_adapter
 from hetero_jax.train.step import AdapterConfig, init_lora
 
 
+@pytest.mark.slow  # 15 s: builds and loads a model directory
 def test_shipped_preset_loads_its_directory_and_adapter(tmp_path, monkeypatch):
     from hetero_jax import Engine, EngineConfig
 

@@ -77,6 +77,7 @@ def test_engine_serves_the_trained_embeddings(tiny, trained, tmp_path):
         assert np.all(cos > 1 - 1e-5), f"{pooling}: cosine {cos}"
 
 
+@pytest.mark.slow  # 14 s: two fits and their orbax checkpoints
 def test_resumed_run_equals_uninterrupted(tiny, tmp_path):
     cfg, params, tok = tiny
     train = data.read_pairs(CORPUS)
