@@ -1,7 +1,8 @@
 """Ragged paged attention: one call over a flat token axis that mixes chunks and decode tokens.
 
-In: `q [T, Hq, D]` (the new tokens of every sequence, back to back), per-layer KV pages
-`[P, page_size, Hkv, D]` (the new tokens' K/V already written), `kv_lens [S]`,
+In: `q [T, Hq, D]` (the new tokens of every sequence, back to back), one layer's KV pages
+`[P, page_size, Hkv, D]` or the stacked cache `[L, P, page_size, Hkv, D]` with `layer` (the new
+tokens' K/V already written; the Pallas kernel reads the stacked cache in place), `kv_lens [S]`,
 `page_indices [S, pages_per_seq]`, `cu_q_lens [S+1]`, `num_seqs` (int32 scalar).
 Out: `[T, Hq, D]`; rows past `cu_q_lens[num_seqs]` are padding and come back as zeros.
 
