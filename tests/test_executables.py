@@ -134,17 +134,32 @@ print(json.dumps(dict(built=built, variants=len(engine.config.variants()), maps=
     assert r["built"] == r["variants"] == 106 and r["maps"] < r["limit"]
 
 
-def test_step_time_leaves_compiling_out():
+def test_step_time_leaves_compiling_out(monkeypatch):
     """A step that builds a new variant reports its own time in `step_time`; the build's
-    seconds go to `compile_s` only (the bandit's rewards and mean step times read step_time)."""
+    seconds go to `compile_s` only (the bandit's rewards and mean step times read step_time).
+    On an injected clock that ticks 1 us per reading and jumps 100 s in each build, so the
+    result does not depend on how loaded the machine is."""
     import time
 
     from hetero_jax import Engine, SamplingParams
 
+    clock = [0.0]
+
+    def fake_perf_counter():
+        clock[0] += 1e-6
+        return clock[0]
+
     engine = Engine.from_preset("tiny", seed=0, config=EngineConfig(max_model_len=128))
     build = engine.runner.executable._build
-    engine.runner.executable._build = lambda key: time.sleep(1.0) or build(key)  # a slow compile
+
+    def slow_build(key):  # a build that takes 100 s on the injected clock
+        clock[0] += 100.0
+        return build(key)
+
+    engine.runner.executable._build = slow_build
+    monkeypatch.setattr(time, "perf_counter", fake_perf_counter)
     engine.generate(["a prompt"], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
     stats = engine.stats
-    assert stats.compiles >= 1 and stats.compile_s >= 1.0 * stats.compiles
-    assert stats.step_time_s < 1.0, stats  # three tiny steps, none charged for a build
+    assert stats.compiles >= 1 and stats.compile_s >= 100.0 * stats.compiles
+    # three steps charged only their own clock readings (1 us each), none a build's 100 s
+    assert stats.step_time_s < 1.0, stats
