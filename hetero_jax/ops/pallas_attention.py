@@ -38,7 +38,7 @@ import numpy as np
 from hetero_jax.ops.cascade import merge_parts
 
 _MASKED = -0.7 * float(np.finfo(np.float32).max)
-_H200_SMS = 132
+H200_SMS = 132  # streaming multiprocessors of the GPU the defaults are sized for
 
 
 def _ragged_paged_attention_kernel(work_ref, page_ref, layer_ref, q_ref, k_ref, v_ref, o_ref,
@@ -157,7 +157,7 @@ class Tunables:
     interpret: bool
 
 
-def kv_splits(num_items: int, num_kv_heads: int, target_programs: int = 2 * _H200_SMS,
+def kv_splits(num_items: int, num_kv_heads: int, target_programs: int = 2 * H200_SMS,
               max_splits: int = 8) -> int:
     """KV splits per item for a decode-only launch: enough (kv heads x items x splits) programs
     to fill the GPU's SMs twice over, at most `max_splits`; 1 when the grid is full already."""
@@ -172,7 +172,7 @@ def _merge_splits(out, lse, dtype):
     m = lse.max(axis=0)
     w = jnp.exp(lse - m)  # [N, R]; empty parts (lse = _MASKED) weigh 0
     total = w.sum(axis=0)
-    merged = (w[..., None] * out.astype(jnp.float32)).sum(axis=0) / total[:, None]
+    merged = (w[..., None] * out).sum(axis=0) / total[:, None]  # out: float32 when split
     return merged.astype(dtype), m + jnp.log(total)
 
 

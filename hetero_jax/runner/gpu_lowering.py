@@ -23,11 +23,11 @@ from hetero_jax.config import EngineConfig
 from hetero_jax.models import llama
 from hetero_jax.models.config import ModelConfig
 from hetero_jax.models.layers import split_layers
+from hetero_jax.ops.pallas_attention import H200_SMS
 from hetero_jax.runner.batch import batch_spec
 from hetero_jax.runner.decoder import bind_step, zero_state
 
 TRITON_TARGET = "__gpu$xla.gpu.triton"
-H200_SMS = 132
 
 
 def gpu_config(model_cfg: ModelConfig, cfg: EngineConfig) -> EngineConfig:
