@@ -1,5 +1,4 @@
 """The online benchmark's pieces: the trace, open-loop sending, and the summary numbers."""
-import argparse
 import asyncio
 import math
 
@@ -33,22 +32,28 @@ def test_trace_is_seeded_mixed_and_open_loop():
 
 
 def test_run_trace_sends_at_arrival_without_waiting_for_answers():
-    class Slow:  # every answer takes 0.2 s; sends must not wait for them
+    """No answer comes until all three requests are sent: if a send waited for an earlier
+    answer the run would never finish (the 10 s is a guard against hanging, not a bound)."""
+    class Held:
         def __init__(self):
-            self.sent = []
+            self.sent, self.all_sent = [], asyncio.Event()
 
         async def embed(self, ids):
             return await self.generate(ids)
 
         async def generate(self, ids):
-            self.sent.append(asyncio.get_running_loop().time())
-            await asyncio.sleep(0.2)
+            self.sent.append(ids)
+            if len(self.sent) == 3:
+                self.all_sent.set()
+            await self.all_sent.wait()
             return ids
 
-    sender = Slow()
-    trace = [(0.0, "embed", [1]), (0.01, "generate", [2]), (0.02, "embed", [3])]
-    assert asyncio.run(run_trace(trace, sender)) == [[1], [2], [3]]
-    assert sender.sent[-1] - sender.sent[0] < 0.2, "a send waited for an earlier answer"
+    async def run():
+        sender = Held()  # the Event binds to this loop
+        trace = [(0.0, "embed", [1]), (0.01, "generate", [2]), (0.02, "embed", [3])]
+        return await asyncio.wait_for(run_trace(trace, sender), 10)
+
+    assert asyncio.run(run()) == [[1], [2], [3]]
 
 
 def test_summary_numbers_by_hand():
@@ -71,4 +76,4 @@ def test_flags_are_checked():
         build_parser().parse_args(["--rate", "0"])
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--schedulers", "ibs,nope"])
-    assert isinstance(trace_args(rate="inf"), argparse.Namespace)
+    assert trace_args(rate="inf").rate == math.inf

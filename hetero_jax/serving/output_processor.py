@@ -42,22 +42,30 @@ def _logprobs(req: Request, start: int) -> list | None:
         for t in req.output_logprobs[start:]]
 
 
-def text_delta(tokenizer, token_ids: list, sent: str) -> str:
-    """The text `token_ids` add to the `sent` text of their first ids: "" while the decoded
-    text ends in an incomplete character (U+FFFD) or does not extend `sent`."""
+_WINDOW = 6  # ids decoded again before the new ones: a character spans at most 4 bytes
+
+
+def text_delta(tokenizer, token_ids: list, read: int) -> tuple[str, int]:
+    """The text `token_ids` add past their first `read` ids (whose text went out already), and
+    the new `read`: ("", read) while the text ends in an incomplete character (U+FFFD). Only a
+    window of a few ids before `read` is decoded again, not every id, so a step costs each
+    stream O(1) rather than O(its length) (incremental detokenizing, as vLLM's)."""
     if tokenizer is None:
-        return ""
-    text = tokenizer.decode(token_ids)
-    if text.endswith("\ufffd") or not text.startswith(sent):
-        return ""
-    return text[len(sent):]
+        return "", read
+    start = max(read - _WINDOW, 0)
+    old, new = tokenizer.decode(token_ids[start:read]), tokenizer.decode(token_ids[start:])
+    if new.endswith("\ufffd") or not new.startswith(old):
+        return "", read
+    return new[len(old):], len(token_ids)
 
 
-def delta(req: Request, num_sent: int, sent: str, tokenizer, request_id) -> GenerateDelta:
-    """What a running generation added since its first `num_sent` ids (text `sent`)."""
-    ids = list(req.output_token_ids)
-    return GenerateDelta(request_id, ids[num_sent:], text_delta(tokenizer, ids, sent),
-                         _logprobs(req, num_sent), prompt_tokens=len(req.prompt_token_ids))
+def delta(req: Request, num_sent: int, read: int, tokenizer, request_id) -> tuple:
+    """What a running generation added since its first `num_sent` ids (the text of its first
+    `read` ids already sent) -> (the delta, the new `read`)."""
+    ids = req.output_token_ids
+    text, read = text_delta(tokenizer, ids, read)
+    return GenerateDelta(request_id, list(ids[num_sent:]), text, _logprobs(req, num_sent),
+                         prompt_tokens=len(req.prompt_token_ids)), read
 
 
 def final_delta(out: RequestOutput, num_sent: int, sent: str, request_id) -> GenerateDelta:

@@ -23,10 +23,11 @@ from hetero_jax.serving.output_processor import delta, final_delta
 
 
 class _Sent:
-    """How much of a request went out: ids, text, and the caller's id for it."""
+    """How much of a request went out: ids, text, the ids that text covers (`read`), and the
+    caller's id for it."""
 
     def __init__(self, caller_id):
-        self.caller_id, self.num_sent, self.text = caller_id, 0, ""
+        self.caller_id, self.num_sent, self.text, self.read = caller_id, 0, "", 0
 
 
 class Stepper:
@@ -56,18 +57,15 @@ class Stepper:
                 out[req.kind] = out.get(req.kind, 0) + 1
         return out
 
-    def stop(self) -> list:
-        """End the thread after its current step; abort what it held -> their engine ids
-        (those still in the inbox included)."""
+    def stop(self) -> None:
+        """End the thread after its current step; abort what it held."""
         self._stopping = True
         self._wake.set()
         self._thread.join()
-        held = list(self._sent) + [req.request_id for cmd, req, _ in self._inbox if cmd == "add"]
         for rid in self._sent:
             self.engine.abort(rid)
         self._sent.clear()
         self._inbox.clear()
-        return held
 
     def _run(self) -> None:
         while not self._stopping:
@@ -114,7 +112,7 @@ class Stepper:
             if sent is None:
                 continue
             try:
-                d = delta(req, sent.num_sent, sent.text, tokenizer, sent.caller_id)
+                d, sent.read = delta(req, sent.num_sent, sent.read, tokenizer, sent.caller_id)
             except Exception as e:  # noqa: BLE001 - this request's data: fail it alone
                 self.engine.abort(req.request_id)
                 del self._sent[req.request_id]
