@@ -49,7 +49,7 @@ def cmd_generate(args) -> int:
     from hetero_jax.bench.loop import counters, counters_delta, output_records, summarize
     from hetero_jax.bench.workloads import demo_prompts
 
-    engine, cfg = _engine(args, args.preset)
+    engine, cfg = _engine(args)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_p=args.top_p, ignore_eos=not args.prompts)
     before = counters(engine)
@@ -66,8 +66,8 @@ def cmd_generate(args) -> int:
     return 0
 
 
-def _engine(args, preset: str):
-    """-> (the engine of --model or `preset`, its EngineConfig); prints a line about it."""
+def _engine(args):
+    """-> (the engine of --model or --preset, its EngineConfig); prints a line about it."""
     from hetero_jax import Engine, EngineConfig
 
     cfg = EngineConfig(token_budget=args.token_budget, chunk_size=args.chunk_size,
@@ -75,8 +75,8 @@ def _engine(args, preset: str):
     if args.model:
         engine = Engine.from_pretrained(args.model, config=cfg)
     else:
-        engine = Engine.from_preset(preset, seed=args.seed, config=cfg)
-    print(f"model: {args.model or preset} ({engine.model_cfg.num_params / 1e6:.1f}M params, "
+        engine = Engine.from_preset(args.preset, seed=args.seed, config=cfg)
+    print(f"model: {args.model or args.preset} ({engine.model_cfg.num_params / 1e6:.1f}M params, "
           f"{engine.config.dtype}); budget {cfg.token_budget} tokens, chunk {cfg.chunk_size}, "
           f"{cfg.max_num_seqs} sequences", flush=True)
     return engine, cfg
@@ -85,7 +85,7 @@ def _engine(args, preset: str):
 def cmd_embed(args) -> int:
     from hetero_jax import PoolingParams
 
-    engine, _ = _engine(args, args.preset)
+    engine, _ = _engine(args)
     vecs = engine.embed(args.texts, PoolingParams(args.pooling, normalize=True), use_tqdm=False)
     for text, v in zip(args.texts, vecs):  # v [d], unit norm
         head = ", ".join(f"{x:.4f}" for x in v[:4])

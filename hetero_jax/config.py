@@ -11,7 +11,7 @@ import itertools
 from collections.abc import Callable
 
 from hetero_jax.requests import INT32_MAX, require_bool, require_int, require_real
-from hetero_jax.sched.batching import BATCHING, FeatherConfig
+from hetero_jax.sched.batching import FeatherConfig, check_batching
 
 _DTYPES = ("auto", "float32", "bfloat16")
 
@@ -138,8 +138,7 @@ class EngineConfig:
                              "or None")
         if not isinstance(self.scheduler, str):
             raise ValueError(f"scheduler={self.scheduler!r} must be a policy name (a string)")
-        if not isinstance(self.batching, str) or self.batching not in BATCHING:
-            raise ValueError(f"batching={self.batching!r} must be one of {BATCHING}")
+        check_batching(self.batching)
         relation = size_relation(self.token_budget, self.chunk_size, self.max_num_seqs,
                                  self.max_chunk_seqs)
         if relation:

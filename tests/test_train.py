@@ -22,7 +22,8 @@ from hetero_jax.models.tokenizer import ByteTokenizer
 from hetero_jax.train import data
 from hetero_jax.train.checkpoint import export_adapter
 from hetero_jax.train.fit import FitOptions, fit_adapter, recall
-from hetero_jax.train.loss import contrastive_loss, recall_at_k
+from hetero_jax.offline.recall import recall_at_k
+from hetero_jax.train.loss import contrastive_loss
 from hetero_jax.train.step import AdapterConfig, embed_texts, init_lora
 
 CORPUS = os.path.join(os.path.dirname(__file__), "..", "data", "corpus.jsonl")

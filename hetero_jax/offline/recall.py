@@ -29,6 +29,17 @@ def _unit(rows: dict) -> tuple[list, np.ndarray]:
     return ids, vecs / np.maximum(np.linalg.norm(vecs, axis=1, keepdims=True), 1e-12)
 
 
+def recall_at_k(queries: np.ndarray, pool: np.ndarray, relevant: np.ndarray, k: int) -> float:
+    """queries [Q, d], pool [N, d] (both L2-normalised), relevant [Q] (index into pool) ->
+    the share of queries whose relevant row is among their k highest cosines."""
+    assert len(queries) == len(relevant), f"{len(queries)=} != {len(relevant)=}"
+    if not len(queries):
+        return float("nan")
+    scores = queries @ pool.T  # [Q, N]
+    top = np.argsort(-scores, axis=1, kind="stable")[:, :k]
+    return float(np.mean([r in row for r, row in zip(relevant, top)]))
+
+
 def retrieval_recall(output_path: str, k: int = 5) -> Recall | None:
     queries, passages = {}, {}
     with open(output_path, encoding="utf-8") as f:
@@ -45,6 +56,6 @@ def retrieval_recall(output_path: str, k: int = 5) -> Recall | None:
         return None
     pool_ids, pool = _unit(passages)
     query_ids, q = _unit(queries)
-    top = np.argsort(-(q @ pool.T), axis=1, kind="stable")[:, :k]  # [Q, k]
-    hits = [pool_ids.index(key) in row for key, row in zip(query_ids, top)]
-    return Recall(k, float(np.mean(hits)), len(hits), len(pool_ids))
+    where = {key: i for i, key in enumerate(pool_ids)}
+    relevant = np.array([where[key] for key in query_ids])
+    return Recall(k, recall_at_k(q, pool, relevant, k), len(query_ids), len(pool_ids))

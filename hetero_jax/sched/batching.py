@@ -331,7 +331,7 @@ POLICIES = {p.name: p for p in (FcfsBatching, LpmBatching, FeatherBatching,
 
 
 def check_batching(name) -> str:
-    if name not in POLICIES:
+    if not isinstance(name, str) or name not in POLICIES:
         raise ValueError(f"unknown batching policy {name!r}; expected one of "
                          f"{', '.join(BATCHING)}")
     return name

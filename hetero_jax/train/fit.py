@@ -19,7 +19,7 @@ import numpy as np
 from hetero_jax.models.config import ModelConfig
 from hetero_jax.train.checkpoint import Checkpoints
 from hetero_jax.train.data import Pairs, encode
-from hetero_jax.train.loss import recall_at_k
+from hetero_jax.offline.recall import recall_at_k
 from hetero_jax.train.step import AdapterConfig, TrainState, embed_texts, init_state, train_step
 
 

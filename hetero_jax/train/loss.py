@@ -1,10 +1,10 @@
-"""The contrastive loss of the embedding adapter, and recall@k to judge it.
+"""The contrastive loss of the embedding adapter (recall@k, which judges it, is
+`offline.recall.recall_at_k`).
 
 `contrastive_loss(q [B, d], p [B, d])`: rows L2-normalised, pair i's passage is the positive
 of query i and every other passage of the batch a negative (in-batch negatives, InfoNCE);
 the cross-entropy is averaged over both directions (query -> passage and back). Pairs that
-share a passage are masked out of each other's negatives. `recall_at_k` is numpy: the share
-of queries whose passage is among the k nearest (cosine) of a pool.
+share a passage are masked out of each other's negatives.
 """
 from __future__ import annotations
 
@@ -23,14 +23,3 @@ def contrastive_loss(q, p, passage_ids, temperature: float):
     q_to_p = -jnp.take_along_axis(jax.nn.log_softmax(scores, 1), labels[:, None], 1)
     p_to_q = -jnp.take_along_axis(jax.nn.log_softmax(scores, 0), labels[None, :], 0)
     return 0.5 * (q_to_p.mean() + p_to_q.mean())
-
-
-def recall_at_k(queries: np.ndarray, pool: np.ndarray, relevant: np.ndarray, k: int) -> float:
-    """queries [Q, d], pool [N, d] (both L2-normalised), relevant [Q] (index into pool) ->
-    the share of queries whose relevant row is among their k highest cosines."""
-    assert len(queries) == len(relevant), f"{len(queries)=} != {len(relevant)=}"
-    if not len(queries):
-        return float("nan")
-    scores = queries @ pool.T  # [Q, N]
-    top = np.argsort(-scores, axis=1, kind="stable")[:, :k]
-    return float(np.mean([r in row for r, row in zip(relevant, top)]))
