@@ -20,13 +20,10 @@ import statistics
 import sys
 
 from hetero_jax.bench.online import ClientSender, HttpSender, build_parser, make_trace, \
-    run_trace
+    run_trace, serve_argv, slo_of
 from hetero_jax.bench.online_report import summarize
 from hetero_jax.server.cli import build_client
 from hetero_jax.server.cli import build_parser as serve_parser
-
-SLO = dict(ttft_s=1.0, tpot_s=0.2, e2e_s=1.0)
-
 
 def cpu_s(pid: int | None) -> float:
     """CPU seconds (user + system) of process `pid` (None: this one)."""
@@ -42,7 +39,7 @@ async def one_round(sender, trace, server_pid=None) -> dict:
     await sender.open()
     before = cpu_s(None), cpu_s(server_pid) if server_pid else 0.0
     try:
-        row = summarize(await run_trace(trace, sender), SLO)
+        row = summarize(await run_trace(trace, sender), slo_of(args))
     finally:
         await sender.close()
     after = cpu_s(None), cpu_s(server_pid) if server_pid else 0.0
@@ -50,9 +47,9 @@ async def one_round(sender, trace, server_pid=None) -> dict:
                 server_cpu_s=after[1] - before[1])
 
 
-async def pairs(args, serve_argv: list) -> list:
+async def pairs(args, argv: list) -> list:
     http = HttpSender(args.url, None, args.output_len, stream=True)
-    local = ClientSender(build_client(serve_parser().parse_args(serve_argv)), args.output_len)
+    local = ClientSender(build_client(serve_parser().parse_args(argv)), args.output_len)
     warm = make_trace(argparse.Namespace(**dict(vars(args), requests=8)), 99)
     await one_round(http, warm)
     await one_round(local, warm)
@@ -74,11 +71,7 @@ def main(argv) -> None:
     ap = argparse.ArgumentParser(parents=[build_parser()], add_help=False)
     ap.add_argument("--pairs", type=int, default=5)
     args = ap.parse_args(argv)
-    serve_argv = ["--preset", args.preset or "tiny"]
-    for flag in ("token_budget", "max_num_seqs", "chunk_size", "max_model_len"):
-        if getattr(args, flag) is not None:
-            serve_argv += [f"--{flag.replace('_', '-')}", getattr(args, flag)]
-    out = asyncio.run(pairs(args, serve_argv))
+    out = asyncio.run(pairs(args, serve_argv(args, args.schedulers[0])))
     ratio = statistics.median(h["requests_per_s"] / p["requests_per_s"] for h, p in out)
     print(f"median requests/s ratio http / in-process: {ratio:.3f}")
     if args.server_pid:

@@ -237,12 +237,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(serve_argv: list, timeout_s: float = 900.0) -> tuple:
+def start_server(argv: list, timeout_s: float = 900.0) -> tuple:
     """A `hetero-jax serve` process on a free loopback port, warmed up -> (process, url)."""
     import httpx
 
     port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "hetero_jax.cli", "serve", *serve_argv,
+    proc = subprocess.Popen([sys.executable, "-m", "hetero_jax.cli", "serve", *argv,
                              "--port", str(port)], env=dict(os.environ))
     url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -264,8 +264,7 @@ async def bench(sender, args, name: str, pid: int) -> list:
     await run_trace(make_trace(argparse.Namespace(**dict(vars(args), requests=4)),
                                args.seed + 99), sender)
     await sender.close()
-    slo = dict(ttft_s=args.slo_ttft_ms / 1e3, tpot_s=args.slo_tpot_ms / 1e3,
-               e2e_s=args.slo_embed_ms / 1e3)
+    slo = slo_of(args)
     out = []
     for i in range(args.rounds):
         await sender.open()
@@ -277,7 +276,14 @@ async def bench(sender, args, name: str, pid: int) -> list:
     return out
 
 
-def _serve_argv(args, scheduler: str) -> list:
+def slo_of(args) -> dict:
+    """The latency bounds of goodput, in seconds, from the `--slo-*` flags."""
+    return dict(ttft_s=args.slo_ttft_ms / 1e3, tpot_s=args.slo_tpot_ms / 1e3,
+                e2e_s=args.slo_embed_ms / 1e3)
+
+
+def serve_argv(args, scheduler: str) -> list:
+    """`hetero-jax serve` arguments of the engine flags given (SERVE_FLAGS) and `scheduler`."""
     argv = ["--scheduler", scheduler]
     for flag in SERVE_FLAGS:
         value = getattr(args, flag[2:].replace("-", "_"))
@@ -294,7 +300,7 @@ def _runs(args) -> list:
                                             not args.no_stream), args, "http",
                                  args.server_pid or -1))
     for scheduler in args.schedulers if not args.url else []:
-        proc, url = start_server(_serve_argv(args, scheduler))
+        proc, url = start_server(serve_argv(args, scheduler))
         try:
             out += asyncio.run(bench(HttpSender(url, None, args.output_len, not args.no_stream),
                                      args, f"http {scheduler}", proc.pid))
@@ -305,7 +311,7 @@ def _runs(args) -> list:
         from hetero_jax.server.cli import build_client
         from hetero_jax.server.cli import build_parser as serve_parser
 
-        client = build_client(serve_parser().parse_args(_serve_argv(args, args.schedulers[0])))
+        client = build_client(serve_parser().parse_args(serve_argv(args, args.schedulers[0])))
         out += asyncio.run(bench(ClientSender(client, args.output_len), args,
                                  f"in-process {args.schedulers[0]}", os.getpid()))
     return out
