@@ -29,6 +29,7 @@ import os
 import sys
 
 from hetero_jax.models.presets import PRESETS
+from hetero_jax.requests import STREAMING_KINDS
 from hetero_jax.sim.cli import sim_main
 from hetero_jax.sim.options import int_range, output_file, real_range, write_json
 
@@ -164,7 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="embedded model (random weights, no download)")
     e.add_argument("--model", type=_model_dir, default=None, metavar="DIR",
                    help="local Hugging Face directory (overrides --preset)")
-    e.add_argument("--pooling", default=None, choices=["mean", "weighted_mean", "cls", "last"],
+    e.add_argument("--pooling", default=None, choices=STREAMING_KINDS,
                    help="pooler (None: the model's default)")
     e.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                    help="weights and activations")

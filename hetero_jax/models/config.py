@@ -56,6 +56,9 @@ class ModelConfig:
         return v * d * (1 if self.tie_word_embeddings else 2) + self.num_layers * per_layer + d
 
 
+# The decoder's projections a LoRA adapter may adapt (`lora.projection_dims`), by param name.
+PROJECTIONS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+
 _SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
           "num_kv_heads", "head_dim", "max_position_embeddings")
 _LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor",

@@ -18,11 +18,11 @@ import os
 import sys
 import time
 
+from hetero_jax.models.config import PROJECTIONS as TARGETS
 from hetero_jax.models.presets import PRESETS
+from hetero_jax.requests import STREAMING_KINDS as POOLERS
 from hetero_jax.sim.options import int_range, real_range
 
-POOLERS = ("mean", "weighted_mean", "cls", "last")  # train.forward.POOLERS, without jax
-TARGETS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")  # train.step.ALL_TARGETS
 
 
 def _targets(text: str) -> tuple:

@@ -19,9 +19,10 @@ import jax.numpy as jnp
 from hetero_jax.models import llama
 from hetero_jax.models.config import ModelConfig
 from hetero_jax.ops.attention import ragged_paged_attention
+from hetero_jax.requests import STREAMING_KINDS
 from hetero_jax.runner.pooler import l2_normalize
 
-POOLERS = ("mean", "weighted_mean", "cls", "last")
+POOLERS = STREAMING_KINDS  # the poolers that sum over chunks: all but "buffered"
 
 
 def hidden_states(params, cfg: ModelConfig, tokens, with_adapter: bool = False):

@@ -18,12 +18,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from hetero_jax.models.config import ModelConfig
+from hetero_jax.models.config import PROJECTIONS, ModelConfig
 from hetero_jax.models.lora import merge_lora_layers, projection_dims
 from hetero_jax.train.forward import POOLERS, embed
 from hetero_jax.train.loss import contrastive_loss
 
-ALL_TARGETS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+ALL_TARGETS = PROJECTIONS
 
 
 @dataclasses.dataclass(frozen=True)
