@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
+import reprlib
 
 INT32_MAX = 2**31 - 1  # the device arrays that carry per-request knobs are int32
 
@@ -138,3 +139,15 @@ class GenerateRequest:
 class EmbedRequest:
     input: str | list
     params: PoolingParams = PoolingParams()
+
+
+def described(value) -> str:
+    """How an error names a value a caller passed: its kind and a short repr."""
+    if value is None:
+        return "None"
+    if isinstance(value, type):
+        return f"the class {value.__name__}"
+    name = type(value).__name__
+    article = "" if isinstance(value, (bytes, bytearray)) else (
+        "an " if name[0] in "aeiou" else "a ")
+    return f"{article}{name} ({reprlib.repr(value)})"

@@ -56,7 +56,7 @@ def assert_same_rows(got: dict, want: dict) -> None:
 
 def test_the_ray_data_job_writes_the_rows_and_errors_of_the_local_path(cluster, tmp_path):
     from hetero_jax.offline.ray_data import RayDataFront
-    from hetero_jax.serving.dedicated import ModelSource
+    from hetero_jax.serving.processes import ModelSource
 
     rows = mixed_rows(16) + ['{"id": "long", "prompt": "' + "x" * 300 + '"}', "not json",
                              '{"id": "lp", "prompt": "hi", "max_tokens": 4, "logprobs": 2}']

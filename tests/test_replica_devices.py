@@ -9,7 +9,7 @@ import pytest
 
 from hetero_jax.serving import device_groups as groups_module
 from hetero_jax.serving import replicas as replicas_module
-from hetero_jax.serving.dedicated import ModelSource
+from hetero_jax.serving.processes import ModelSource
 from hetero_jax.serving.device_groups import device_groups, visible_gpus
 from hetero_jax.serving.replicas import ReplicaSet
 

@@ -34,7 +34,7 @@ from collections.abc import Iterable, Iterator
 from hetero_jax.config import EngineConfig
 from hetero_jax.models.presets import preset_config
 from hetero_jax.outputs import EngineStats, sum_stats
-from hetero_jax.serving.dedicated import EMBED_ROLE, ModelSource
+from hetero_jax.serving.processes import ModelSource
 from hetero_jax.serving.ray_replicas import actor_resources, join_cluster, require_ray
 from hetero_jax.serving.replica_worker import admit
 
@@ -54,8 +54,10 @@ def require_data():
 class EngineBatcher:
     """One engine in a Ray Data actor: a callable class for `map_batches`."""
 
-    def __init__(self, spec: ModelSource, config: EngineConfig):
-        self.engine = spec.build(EMBED_ROLE, config)  # the embedding role: the whole engine
+    def __init__(self, source: ModelSource, config: EngineConfig):
+        from hetero_jax.serving.engine import Engine  # imports jax: only inside the actor
+
+        self.engine = Engine.from_source(source, config)
         self.name = uuid.uuid4().hex  # tells this actor's stats from the others'
 
     def __call__(self, batch: dict) -> dict:

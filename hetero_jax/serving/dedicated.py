@@ -18,13 +18,11 @@ Requests are checked by type here and by content in the workers (the shared
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import multiprocessing
 import os
 import re
 import time
-import traceback
 import weakref
 
 from hetero_jax.config import EngineConfig
@@ -32,40 +30,22 @@ from hetero_jax.models.presets import preset_config
 from hetero_jax.requests import EmbedRequest
 from hetero_jax.serving.batch_api import BatchAPI
 from hetero_jax.serving.input_processor import check_request_type, default_seed
+from hetero_jax.serving.output_processor import renumbered
+from hetero_jax.serving.processes import (ModelSource, child_env, described_error, remote_error,
+                                          stop_workers)
 
 EMBED_ROLE, GEN_ROLE = "embed", "generate"
-_ONE_THREAD = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
-_ERRORS = {"ValueError": ValueError, "TypeError": TypeError,
-           "FileNotFoundError": FileNotFoundError}
 
 
-@dataclasses.dataclass(frozen=True)
-class ModelSource:
-    """How a worker builds its engine: a preset (name, seed) or a Hugging Face directory."""
-
-    preset: str | None = None
-    seed: int = 0
-    path: str | None = None
-    embed_model: str | None = None  # a separate encoder (embedding worker only)
-    embed_adapter: str | dict | None = None  # LoRA adapters (embedding worker only)
-
-    def build(self, role: str, config: EngineConfig):
-        from hetero_jax.serving.engine import Engine  # imports jax: only inside a worker
-
-        if self.preset is not None:
-            return Engine.from_preset(self.preset, self.seed, config)
-        if role == EMBED_ROLE:
-            return Engine.from_pretrained(self.path, config, self.embed_model, self.embed_adapter)
-        return Engine.from_pretrained(self.path, config)
-
-
-def _worker(role: str, core: int, spec: ModelSource, config: EngineConfig, conn) -> None:
+def _worker(role: str, core: int, source: ModelSource, config: EngineConfig, conn) -> None:
     """Worker process: pin to `core`, one XLA thread, build the engine, serve the pipe."""
-    os.sched_setaffinity(0, {core})  # XLA_FLAGS came from the parent (`_child_env`)
+    from hetero_jax.serving.engine import Engine  # imports jax: only inside a worker
+
+    os.sched_setaffinity(0, {core})  # XLA_FLAGS came from the parent (`child_env`)
     try:
-        engine = spec.build(role, config)
+        engine = Engine.from_source(source, config)
     except Exception as e:  # noqa: BLE001 - reported to the parent, which raises it
-        conn.send(("error", (type(e).__name__, str(e), traceback.format_exc())))
+        conn.send(("error", described_error(e)))
         return
     conn.send(("ok", (engine.config, engine.embedding_dim)))
     while True:
@@ -82,51 +62,15 @@ def _worker(role: str, core: int, spec: ModelSource, config: EngineConfig, conn)
             else:
                 raise ValueError(f"unknown command {cmd!r}")
         except Exception as e:  # noqa: BLE001 - the engine stays usable; the parent raises
-            conn.send(("error", (type(e).__name__, str(e), traceback.format_exc())))
+            conn.send(("error", described_error(e)))
             continue
         conn.send(("ok", result))
-
-
-def _one_thread_flags(flags: str) -> str:
-    return flags if _ONE_THREAD in flags else f"{flags} {_ONE_THREAD}".strip()
-
-
-@contextlib.contextmanager
-def _child_env(**extra: str):
-    """XLA_FLAGS (and the `extra` variables, such as a replica's CUDA_VISIBLE_DEVICES) for a
-    child started inside (spawn copies the environment at start, so even modules the child
-    imports before `_worker` runs see them); restored afterwards."""
-    values = dict(extra, XLA_FLAGS=_one_thread_flags(os.environ.get("XLA_FLAGS") or ""))
-    before = {name: os.environ.get(name) for name in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for name, value in before.items():
-            if value is None:
-                del os.environ[name]
-            else:
-                os.environ[name] = value
-
-
-def _stop(procs: list, conns: list) -> None:
-    """Ask the workers to end, then make sure they did (also runs at interpreter exit)."""
-    for conn in conns:
-        try:
-            conn.send(("close", None))
-        except (OSError, ValueError):
-            pass
-    for proc in procs:
-        proc.join(timeout=10)
-        if proc.is_alive():
-            proc.terminate()
-            proc.join(timeout=5)
 
 
 class DedicatedEngine(BatchAPI):
     """An embedding engine and a generation engine in two processes on disjoint cores."""
 
-    def __init__(self, spec: ModelSource, config: EngineConfig | None = None,
+    def __init__(self, source: ModelSource, config: EngineConfig | None = None,
                  cores: tuple | None = None):
         """`cores`: (embedding core, generation core); None picks the first two allowed
         cores (both share one if only one is allowed). `config.scheduler` is ignored: each
@@ -139,15 +83,16 @@ class DedicatedEngine(BatchAPI):
         self.cores = dict(zip((EMBED_ROLE, GEN_ROLE), cores))
         ctx = multiprocessing.get_context("spawn")
         self._conns, self._procs = {}, {}
+        sources = {EMBED_ROLE: source, GEN_ROLE: source.generation_only()}
         for role in (EMBED_ROLE, GEN_ROLE):
             parent, child = ctx.Pipe()
             proc = ctx.Process(target=_worker, name=f"hetero-jax-{role}", daemon=True,
-                               args=(role, self.cores[role], spec, self.config, child))
-            with _child_env():
+                               args=(role, self.cores[role], sources[role], self.config, child))
+            with child_env():
                 proc.start()
             child.close()
             self._conns[role], self._procs[role] = parent, proc
-        self._finalizer = weakref.finalize(self, _stop, list(self._procs.values()),
+        self._finalizer = weakref.finalize(self, stop_workers, list(self._procs.values()),
                                            list(self._conns.values()))
         resolved = {role: self._receive(role) for role in self._conns}
         self.config = resolved[GEN_ROLE][0]  # max_model_len etc. resolved against the model
@@ -219,7 +164,7 @@ class DedicatedEngine(BatchAPI):
         outs = [None] * len(requests)
         for role in sent:
             for (i, _), out in zip(split[role], results[role]):
-                outs[i] = self._renumber(out, self._next_id + i, start)
+                outs[i] = renumbered(out, self._next_id + i, start)
         self._next_id += len(requests)
         return outs
 
@@ -231,15 +176,6 @@ class DedicatedEngine(BatchAPI):
         seed = default_seed(self.config.seed, self._next_id + index)
         return dataclasses.replace(r, params=dataclasses.replace(r.params, seed=seed))
 
-    @staticmethod
-    def _renumber(out, request_id: int, start: float):
-        """Engine-wide request id; times from `start` (perf_counter is system-wide)."""
-        m = dict(out.metrics, arrival_time=start)
-        for key, since in (("latency_s", "finish_time"), ("ttft_s", "first_token_time")):
-            if key in m:
-                m[key] = None if m.get(since) is None else m[since] - start
-        return dataclasses.replace(out, request_id=request_id, metrics=m)
-
     def _receive(self, role: str):
         """The worker's answer; raises its error, or RuntimeError if the worker died."""
         conn, proc = self._conns[role], self._procs[role]
@@ -250,10 +186,7 @@ class DedicatedEngine(BatchAPI):
         status, payload = conn.recv()
         if status == "ok":
             return payload
-        name, message, trace = payload
-        if name in _ERRORS:
-            raise _ERRORS[name](message)
-        raise RuntimeError(f"the {role} worker failed: {name}: {message}\n{trace}")
+        raise remote_error(*payload[:2], f"the {role} worker failed", payload[2])
 
 
 def _global_index(error: Exception, indices: list) -> Exception:

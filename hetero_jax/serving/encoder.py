@@ -1,10 +1,10 @@
 """A separate embedding model beside the decoder: its runner, tokenizer and default pooling.
 
 In: a local sentence-transformers / Hugging Face BERT directory. Out: a `SeparateEncoder`
-whose `runner` embeds the scheduler's encoder items and whose `embedding_model` is what the
-input processor checks embedding inputs against: its tokenizer and vocabulary, its input limit
-(sentence-transformers' `max_seq_length`, within the position limit) and the directory's
-pooling and normalisation.
+whose `runner` embeds the scheduler's encoder items, with what the engine's input processor
+checks embedding inputs against (its `input_processor.EmbeddingModel`): its tokenizer and
+vocabulary, its input limit (sentence-transformers' `max_seq_length`, within the position
+limit) and the directory's pooling and normalisation.
 """
 from __future__ import annotations
 
@@ -17,7 +17,6 @@ from hetero_jax.models.formats.sentence_transformers import (read_max_seq_length
                                                              read_sentence_transformers_pooling)
 from hetero_jax.models.tokenizer import load_tokenizer
 from hetero_jax.runner.encoder import EncoderRunner
-from hetero_jax.serving.input_processor import EmbeddingModel
 
 
 @dataclasses.dataclass
@@ -37,7 +36,3 @@ class SeparateEncoder:
         return cls(EncoderRunner(cfg, params), load_tokenizer(model_dir, ()), pooling, normalize,
                    limit)
 
-    @property
-    def embedding_model(self) -> EmbeddingModel:
-        return EmbeddingModel(self.tokenizer, self.runner.cfg.vocab_size, self.max_len,
-                              self.pooling, self.normalize, on_decoder=False)

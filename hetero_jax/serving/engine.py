@@ -97,7 +97,9 @@ class Engine(BatchAPI):
                           "cache)", stacklevel=2)
         self.runner = (ShardedDecoderRunner(model_cfg, c, params, c.tensor_parallel)
                        if c.tensor_parallel > 1 else DecoderRunner(model_cfg, c, params))
-        embedding = encoder.embedding_model if encoder else EmbeddingModel(
+        embedding = EmbeddingModel(encoder.tokenizer, encoder.runner.cfg.vocab_size,
+                                   encoder.max_len, encoder.pooling, encoder.normalize,
+                                   on_decoder=False) if encoder else EmbeddingModel(
             tokenizer, model_cfg.vocab_size, c.max_model_len, "mean", True, on_decoder=True)
         self.inputs = InputProcessor(
             model_cfg, c, tokenizer, embedding, adapter_ids,
@@ -125,6 +127,13 @@ class Engine(BatchAPI):
         on_host = (config or EngineConfig()).tensor_parallel > 1  # the runner places shards
         return cls(cfg, llama.init_params(cfg, seed, on_host=on_host), ByteTokenizer(), config,
                    encoder)
+
+    @classmethod
+    def from_source(cls, source, config: EngineConfig | None = None) -> "Engine":
+        """The whole engine a `processes.ModelSource` names (what a worker process builds)."""
+        if source.preset is not None:
+            return cls.from_preset(source.preset, source.seed, config)
+        return cls.from_pretrained(source.path, config, source.embed_model, source.embed_adapter)
 
     @classmethod
     def from_pretrained(cls, path: str, config: EngineConfig | None = None,

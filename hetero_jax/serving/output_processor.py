@@ -3,10 +3,13 @@
 In: a `sched.Request` and the tokenizer that decodes generated ids (None: no text). Out: a
 `RequestOutput` (token ids, text, log-probs as asked, finish reason, timing metrics) or an
 `EmbeddingOutput` (the vector `[d]`, metrics); `error_output` for a request the engine failed
-alone (its `error` says why). `delta` is what a step added to a running generation, for a
+alone (its `error` says why); `renumbered` for an output another process made, numbered and
+timed as this process's engine would. `delta` is what a step added to a running generation, for a
 front that streams: new ids, their text and log-probs, read from the host-side request.
 """
 from __future__ import annotations
+
+import dataclasses
 
 from hetero_jax.outputs import EmbeddingOutput, GenerateDelta, RequestOutput
 from hetero_jax.sched import Request
@@ -88,3 +91,13 @@ def error_output(req: Request) -> RequestOutput | EmbeddingOutput:
                                error=message)
     return RequestOutput(req.request_id, req.prompt_token_ids, list(req.output_token_ids), None,
                          "error", None, metrics, error=message)
+
+
+def renumbered(out, request_id: int, start: float):
+    """An output made in another process, with the engine-wide `request_id` and its times
+    counted from `start` (perf_counter is system-wide, so the child's clock is ours)."""
+    m = dict(out.metrics, arrival_time=start)
+    for key, since in (("latency_s", "finish_time"), ("ttft_s", "first_token_time")):
+        if key in m:
+            m[key] = None if m.get(since) is None else m[since] - start
+    return dataclasses.replace(out, request_id=request_id, metrics=m)

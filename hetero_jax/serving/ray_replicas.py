@@ -29,8 +29,8 @@ import socket
 from hetero_jax.config import EngineConfig
 from hetero_jax.models.presets import preset_config
 from hetero_jax.sched.router import RouterConfig
-from hetero_jax.serving.dedicated import EMBED_ROLE, ModelSource, _one_thread_flags
 from hetero_jax.serving.placement import router_policy
+from hetero_jax.serving.processes import ModelSource, one_thread_flags
 from hetero_jax.serving.replica_worker import admit, engine_info
 from hetero_jax.serving.routed import RoutedReplicas
 
@@ -83,7 +83,7 @@ def actor_resources(config: EngineConfig, gpus_each: float) -> tuple:
     tp = config.tensor_parallel
     if gpus_each:
         return max(gpus_each, tp), None
-    flags = _one_thread_flags(os.environ.get("XLA_FLAGS", ""))
+    flags = one_thread_flags(os.environ.get("XLA_FLAGS", ""))
     if tp > 1:
         flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", flags).strip()
         # first: XLA's parser stops at the bare `intra_op_parallelism_threads=1` of the
@@ -95,8 +95,10 @@ def actor_resources(config: EngineConfig, gpus_each: float) -> tuple:
 class EngineActor:
     """One engine in a Ray worker (made a Ray actor class by `RayReplicaSet`)."""
 
-    def __init__(self, spec: ModelSource, config: EngineConfig):
-        self.engine = spec.build(EMBED_ROLE, config)  # the embedding role: the whole engine
+    def __init__(self, source: ModelSource, config: EngineConfig):
+        from hetero_jax.serving.engine import Engine  # imports jax: only inside the actor
+
+        self.engine = Engine.from_source(source, config)
 
     def info(self) -> dict:
         return engine_info(self.engine)

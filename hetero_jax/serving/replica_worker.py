@@ -16,17 +16,9 @@ from __future__ import annotations
 
 import os
 import queue
-import traceback
 
 from hetero_jax.config import EngineConfig
-from hetero_jax.serving.dedicated import EMBED_ROLE, ModelSource
-
-ERRORS = {"ValueError": ValueError, "TypeError": TypeError,
-          "FileNotFoundError": FileNotFoundError}  # errors that cross the pipe as themselves
-
-
-def _describe(e: Exception) -> tuple:
-    return type(e).__name__, str(e), traceback.format_exc()
+from hetero_jax.serving.processes import ModelSource, described_error
 
 
 def engine_info(engine) -> dict:
@@ -38,13 +30,15 @@ def engine_info(engine) -> dict:
                 adapter_digests=dict(inputs.adapter_digests))
 
 
-def worker(index: int, core: int, spec: ModelSource, config: EngineConfig, conn) -> None:
+def worker(index: int, core: int, source: ModelSource, config: EngineConfig, conn) -> None:
     """Replica process: pin to `core`, build a whole engine, serve the pipe (module doc)."""
-    os.sched_setaffinity(0, {core})  # XLA_FLAGS came from the parent (`_child_env`)
+    from hetero_jax.serving.engine import Engine  # imports jax: only inside the worker
+
+    os.sched_setaffinity(0, {core})  # XLA_FLAGS came from the parent (`child_env`)
     try:
-        engine = spec.build(EMBED_ROLE, config)  # the embedding role: encoder and adapters too
+        engine = Engine.from_source(source, config)
     except Exception as e:  # noqa: BLE001 - reported to the parent, which raises it
-        conn.send(("error", _describe(e)))
+        conn.send(("error", described_error(e)))
         return
     conn.send(("ready", engine_info(engine)))
     tags: dict = {}  # engine request id -> the parent's tag, for the requests in flight

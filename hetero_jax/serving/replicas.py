@@ -7,7 +7,7 @@ for the same requests, numbered and seeded as one engine would (request ids in s
 order; a prompt without a seed samples with the seed its id gives it), times from `submit`.
 
 Processes and threads. Each replica is a whole `Engine` in a spawned process pinned to its
-own core with one XLA thread (as in `dedicated`; this module imports no jax). On a host with
+own core with one XLA thread (`processes.child_env`; this module imports no jax). On a host with
 GPUs each replica also gets its own `tensor_parallel` of them, replica i the parent's GPUs
 [i * tp, (i + 1) * tp), through the child's CUDA_VISIBLE_DEVICES (`device_groups`; more
 replicas than the GPUs serve is refused before any process starts). The parent
@@ -42,10 +42,10 @@ import weakref
 from hetero_jax.config import EngineConfig
 from hetero_jax.models.presets import preset_config
 from hetero_jax.sched.router import RouterConfig
-from hetero_jax.serving.dedicated import ModelSource, _child_env, _stop
 from hetero_jax.serving.device_groups import device_groups, visible_gpus
 from hetero_jax.serving.placement import router_policy
-from hetero_jax.serving.replica_worker import ERRORS, reader, worker
+from hetero_jax.serving.processes import ModelSource, child_env, remote_error, stop_workers
+from hetero_jax.serving.replica_worker import reader, worker
 from hetero_jax.serving.routed import RoutedReplicas
 
 
@@ -75,7 +75,7 @@ class ReplicaSet(RoutedReplicas):
         self.cores, self.num_replicas = cores, num_replicas
         self._events: queue.Queue = queue.Queue()
         self._conns, self._procs = self._start(spec, config)
-        self._finalizer = weakref.finalize(self, _stop, list(self._procs), list(self._conns))
+        self._finalizer = weakref.finalize(self, stop_workers, list(self._procs), list(self._conns))
         self._setup(spec, self._wait_ready(), num_replicas, router)
 
     @classmethod
@@ -101,7 +101,7 @@ class ReplicaSet(RoutedReplicas):
             proc = ctx.Process(target=worker, name=f"hetero-jax-replica-{i}", daemon=True,
                                args=(i, core, spec, config, child))
             gpus = {} if self.gpus is None else {"CUDA_VISIBLE_DEVICES": self.gpus[i]}
-            with _child_env(**gpus):
+            with child_env(**gpus):
                 proc.start()
             child.close()
             conns.append(parent)
@@ -121,11 +121,8 @@ class ReplicaSet(RoutedReplicas):
             self.close()
             if kind == "dead":
                 raise RuntimeError(f"replica {index} died while starting (exit code {payload})")
-            name, message, trace = payload
-            if name in ERRORS:
-                raise ERRORS[name](message)
-            raise RuntimeError(f"replica {index} could not build its engine: {name}: "
-                               f"{message}\n{trace}")
+            raise remote_error(*payload[:2], f"replica {index} could not build its engine",
+                               payload[2])
         return infos[0]
 
     def close(self) -> None:

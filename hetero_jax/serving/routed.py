@@ -19,10 +19,10 @@ import time
 
 from hetero_jax.outputs import EngineStats, sum_stats
 from hetero_jax.serving.batch_api import BatchAPI
-from hetero_jax.serving.dedicated import DedicatedEngine
 from hetero_jax.serving.input_processor import check_request_type
+from hetero_jax.serving.output_processor import renumbered
 from hetero_jax.serving.placement import Placement, error_output, renumber_error
-from hetero_jax.serving.replica_worker import ERRORS
+from hetero_jax.serving.processes import PIPE_ERRORS
 
 
 @dataclasses.dataclass
@@ -150,10 +150,10 @@ class RoutedReplicas(BatchAPI):
         self.placement.release(flight.replica, flight.cost)
         if error is not None:
             name, message = error
-            if name in ERRORS:
-                return tag, ERRORS[name](renumber_error(message, flight.index))
+            if name in PIPE_ERRORS:
+                return tag, PIPE_ERRORS[name](renumber_error(message, flight.index))
             return tag, error_output(tag, flight.request, flight.start, message)
-        return tag, DedicatedEngine._renumber(out, tag, flight.start)
+        return tag, renumbered(out, tag, flight.start)
 
     def _fail(self, replica: int, tags, why) -> list:
         """`replica` is gone: these of its requests fail with `why(count)`; the router sends
