@@ -6,7 +6,9 @@ it tokens, the last one finished. Times are `time.perf_counter()` seconds; laten
 arrival. A request refused before it runs raises `RequestError(index, field, reason)`; one the
 engine fails while running raises `RequestFailed(request_id, reason)` from a front (or comes
 back with `finish_reason="error"` from `Engine.run`). Both carry their parts as data, so a
-server maps them to a status without reading the message.
+server maps them to a status without reading the message. A front that hands back many
+requests' fates at once (the replicas' `collect`, the batch job's fronts) gives each as one
+`RequestResult`: an output, or the `RequestError` that refused it.
 """
 from __future__ import annotations
 
@@ -53,11 +55,46 @@ class GenerateDelta:
 class RequestError(ValueError):
     """A request refused before anything ran: `index` in the caller's list (0 alone), the
     `field` at fault ("prompt", "input", "params", or an API field such as "max_tokens") and
-    the `reason`, naming the value and the limit."""
+    the `reason`, naming the value and the limit.
 
-    def __init__(self, index: int, field: str, reason: str):
+    An error of the engine's checks names its request by index (`RequestError.naming`:
+    "prompt 3 is empty" is the `noun` "prompt", index 3 and the `detail` " is empty"), so a
+    front that checked the request in a list of its own renames it from these parts
+    (`at(index)`, or `alone()` for a request with no list: "the prompt is empty"), never by
+    reading the message."""
+
+    def __init__(self, index: int, field: str, reason: str, noun: str | None = None,
+                 detail: str | None = None):
         super().__init__(reason)
         self.index, self.field, self.reason = index, field, reason
+        self.noun, self.detail = noun, detail
+
+    @classmethod
+    def naming(cls, noun: str, index: int, detail: str, field: str | None = None):
+        """The error "{noun} {index}{detail}" (`field` defaults to the noun)."""
+        return cls(index, field or noun, f"{noun} {index}{detail}", noun, detail)
+
+    def at(self, index: int) -> "RequestError":
+        """The same error for the request at `index` of the caller's list."""
+        if self.noun is None:
+            return RequestError(index, self.field, self.reason)
+        return RequestError.naming(self.noun, index, self.detail, self.field)
+
+    def alone(self) -> str:
+        """The reason for a request that is not in a list ("the prompt is empty")."""
+        return self.reason if self.noun is None else f"the {self.noun}{self.detail}"
+
+    def __reduce__(self):  # crosses pipes and Ray calls with its parts
+        return RequestError, (self.index, self.field, self.reason, self.noun, self.detail)
+
+
+@dataclasses.dataclass
+class RequestResult:
+    """What became of one request a front took in: its `output` (with `finish_reason="error"`
+    when it failed running), or, when the checks refused it before it ran, the `error`."""
+
+    output: RequestOutput | EmbeddingOutput | None = None
+    error: RequestError | None = None
 
 
 class RequestFailed(RuntimeError):

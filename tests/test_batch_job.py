@@ -21,7 +21,7 @@ from hetero_jax.offline import cli as batch_cli
 from hetero_jax.offline.job import EngineFront, run_job
 from hetero_jax.offline.journal import ErrorLog, OutputError, OutputJournal
 from hetero_jax.offline.rows import make_row, read_rows, row_seed
-from hetero_jax.outputs import EmbeddingOutput, RequestOutput
+from hetero_jax.outputs import EmbeddingOutput, RequestOutput, RequestResult
 from hetero_jax.requests import EmbedRequest, PoolingParams, SamplingParams
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -40,7 +40,7 @@ class FakeFront:
         rng, batch = random.Random(0), []
         for row, request in items:
             self.served.append(row.id)
-            batch.append((row, self.result(row.id, request)))
+            batch.append((row, RequestResult(self.result(row.id, request))))
             if len(batch) >= rng.randint(1, 7):
                 time.sleep(self.delay)
                 yield batch

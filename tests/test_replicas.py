@@ -162,7 +162,7 @@ def test_a_killed_replica_fails_its_own_requests_and_the_other_goes_on(replicas)
     while len(results) < len(tags):
         results.update(replicas.collect(timeout=10.0))
     for tag in tags:
-        out = results[tag]
+        out = results[tag].output
         if where[tag] == 1:
             assert out.finish_reason == "error" and re.fullmatch(
                 r"replica 1 \(pid \d+\) died with exit code -9; its 3 requests in flight "

@@ -4,19 +4,21 @@ In: `rows.InputRow`s in file order, a `Front`, an `OutputJournal` and an `ErrorL
 sorts the rows as they are read: a row with no request, or a later row with an id already
 seen, goes to ERRORS (stage "input"); a row whose id OUTPUT holds already is skipped; the
 rest go to the front as (row, request) pairs. The front hands back a list of (row, result)
-each time some requests finish; each list is written at once (`OutputJournal.append`: one
-write, flush and fsync), its failures and the feed's bad rows go to ERRORS, and the counts
-to a `Tally`. One thread: the front runs inside the job's loop and pulls the next rows only
+(a `RequestResult`: the output, or the `RequestError` that refused the request, whose
+`alone()` names it without an index) each time some requests finish; each list is written
+at once (`OutputJournal.append`: one write, flush and fsync), its failures and the feed's bad
+rows go to ERRORS, and the counts to a `Tally`. One thread: the front runs inside the job's loop and pulls the next rows only
 when it has room for them, so a run holds at most its front's requests in flight.
 
 `Front` is all the job needs from the engines, and `EngineFront` serves one `Engine` step by
-step; a front over several engines (replicas, Ray actors) only has to keep the same
-contract. Imports no jax: the engine is built by the caller (`offline.cli`).
+step through the one synchronous drive (`serving.drive`); a front over several engines
+(`replica_front`, `ray_data`) only has to keep the same contract. Imports no jax: the engine
+is built by the caller (`offline.cli`).
 """
 from __future__ import annotations
 
 import dataclasses
-import re
+import itertools
 import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Protocol
@@ -24,62 +26,40 @@ from typing import Protocol
 from hetero_jax.offline.journal import ErrorLog, OutputJournal
 from hetero_jax.offline.rows import InputRow, error_row, failure, output_row
 from hetero_jax.outputs import EmbeddingOutput
+from hetero_jax.serving.drive import Drive
 
 
 class Front(Protocol):
     def serve(self, items: Iterable[tuple]) -> Iterator[list]:
-        """(key, request) pairs -> lists of (key, result), each list as soon as its requests
-        have finished, every key exactly once. A result is the request's output
-        (`finish_reason="error"` when it failed running), or the ValueError / TypeError with
-        which the engine's checks refused it. `items` is pulled lazily, as room frees up."""
+        """(key, request) pairs -> lists of (key, `RequestResult`), each list as soon as its
+        requests have finished, every key exactly once: the request's output
+        (`finish_reason="error"` when it failed running), or the `RequestError` with which
+        the engine's checks refused it. `items` is pulled lazily, as room frees up."""
 
 
 class EngineFront:
-    """One `Engine`, driven through `prepare`/`enqueue`/`step`/`output`, with at most
-    `max_in_flight` requests in it at a time (queued ones included, so the scheduler has both
-    kinds to choose from). An error of a step that no single request is to blame for is
-    raised (the requests in flight are aborted and nothing of theirs is written)."""
+    """One `Engine`, driven through a `serving.drive.Drive`, with at most `max_in_flight`
+    requests in it at a time (queued ones included, so the scheduler has both kinds to choose
+    from). An error of a step that no single request is to blame for is raised (the requests
+    in flight are aborted and nothing of theirs is written)."""
 
     def __init__(self, engine, max_in_flight: int):
         assert max_in_flight >= 1, f"{max_in_flight=} must be >= 1"
         self.engine, self.max_in_flight = engine, max_in_flight
 
     def serve(self, items: Iterable[tuple]) -> Iterator[list]:
-        items, keys = iter(items), {}  # keys: request id -> key, for the requests in flight
+        items, drive = iter(items), Drive(self.engine)
         try:
             while True:
-                refused, exhausted = self._admit(items, keys)
-                busy = self.engine.has_work()
-                assert busy or not keys, f"{len(keys)} requests in flight, the engine idle"
-                finished = self.engine.step().finished if busy else []
-                done = [(keys.pop(r.request_id), self.engine.output(r)) for r in finished]
-                if refused or done:
-                    yield refused + done
-                if exhausted and not keys:
+                room = self.max_in_flight - len(drive)
+                batch = list(itertools.islice(items, room))
+                results = drive.admit(batch) + drive.step()
+                if results:
+                    yield results
+                if len(batch) < room and not len(drive):
                     return
         finally:
-            for request_id in keys:
-                self.engine.abort(request_id)
-
-    def _admit(self, items: Iterator, keys: dict) -> tuple[list, bool]:
-        """Validate and queue requests until `max_in_flight` are in; -> (the refused ones as
-        (key, error), whether `items` ran out)."""
-        refused, fresh, exhausted = [], [], False
-        while len(keys) < self.max_in_flight:
-            item = next(items, None)
-            if item is None:
-                exhausted = True
-                break
-            key, request = item
-            try:
-                (req,) = self.engine.prepare([request])
-            except (ValueError, TypeError) as e:
-                refused.append((key, e))
-                continue
-            keys[req.request_id] = key
-            fresh.append(req)
-        self.engine.enqueue(fresh)
-        return refused, exhausted
+            drive.abort_all()
 
 
 @dataclasses.dataclass
@@ -141,12 +121,6 @@ def count_to_run(rows: Iterable[InputRow], done: set) -> int:
     return sum(1 for _ in Feed(rows, done))
 
 
-def engine_reason(error: Exception) -> str:
-    """The engine's message for a refused request, without the index it gives the request
-    in its own list (always 0 here: the error row has the line)."""
-    return re.sub(r"^(prompt|input|request) 0\b", r"the \1", str(error))
-
-
 def run_job(rows: Iterable[InputRow], front: Front, journal: OutputJournal, errors: ErrorLog,
             on_batch: Callable[[int, Tally], None] | None = None) -> Tally:
     """Run every row not in OUTPUT yet; `on_batch(rows finished, tally)` after each batch."""
@@ -158,8 +132,8 @@ def run_job(rows: Iterable[InputRow], front: Front, journal: OutputJournal, erro
             if problem:
                 failed.append(problem)
             else:
-                written.append(output_row(row.id, result))
-                _count(result, tally)
+                written.append(output_row(row.id, result.output))
+                _count(result.output, tally)
         journal.append(written)
         errors.append(failed)
         tally.wall_s = time.perf_counter() - start
@@ -173,10 +147,10 @@ def run_job(rows: Iterable[InputRow], front: Front, journal: OutputJournal, erro
 
 def _problem(row: InputRow, result, tally: Tally) -> dict | None:
     """The error row of a refused or failed request (counted), or None for a result."""
-    if isinstance(result, Exception):
+    if result.error is not None:  # named as alone: the error row has the line
         tally.refused += 1
-        return error_row(row, engine_reason(result), "engine")
-    why = failure(result)
+        return error_row(row, result.error.alone(), "engine")
+    why = failure(result.output)
     if why is None:
         return None
     tally.failed += 1

@@ -8,10 +8,10 @@ makes one dataset row of each, `{"i": its number, "request": the request, pickle
 them with `map_batches(EngineBatcher, compute=ActorPoolStrategy(size=N), num_cpus=1,
 num_gpus=g)`: an actor pool of N engines (one GPU each when the cluster has GPUs, else one
 XLA thread each), one batch in flight per actor, so at most `max_in_flight` rows run at a
-time. An `EngineBatcher` prepares each request of its batch (one the engine's checks refuse
-comes back as that ValueError or TypeError), enqueues the rest, steps its engine until all
-of them finished and returns `{"i", "result": the output or the error, pickled, "stats": its
-EngineStats, pickled, in the first row}` (as a generator yielding each step's results it
+time. An `EngineBatcher` drives its engine through a `drive.Drive` until every request of its
+batch finished (one the engine's checks refuse comes back at once as its `RequestError`) and
+returns `{"i", "result": its `RequestResult`, pickled, "stats": its EngineStats, pickled, in
+the first row}` (as a generator yielding each step's results it
 gained nothing: Ray Data merged the yields into one block).
 
 Out: the driver iterates the mapped dataset (`iter_batches`, a block as each batch finishes)
@@ -36,7 +36,7 @@ from hetero_jax.models.presets import preset_config
 from hetero_jax.outputs import EngineStats, sum_stats
 from hetero_jax.serving.processes import ModelSource
 from hetero_jax.serving.ray_replicas import actor_resources, join_cluster, require_ray
-from hetero_jax.serving.replica_worker import admit
+from hetero_jax.serving.drive import Drive
 
 
 def require_data():
@@ -61,15 +61,12 @@ class EngineBatcher:
         self.name = uuid.uuid4().hex  # tells this actor's stats from the others'
 
     def __call__(self, batch: dict) -> dict:
-        """{"i": [B], "request": [B] pickled} -> {"i", "result", "stats"}: every i once,
-        refused at once or finished by the engine."""
-        engine = self.engine
-        numbers, results = admit(engine, [(int(i), pickle.loads(blob))
+        """{"i": [B], "request": [B] pickled} -> {"i", "result", "stats"}: every i once with
+        its `RequestResult`, refused at once or finished by the engine."""
+        results = Drive(self.engine).run([(int(i), pickle.loads(blob))
                                           for i, blob in zip(batch["i"], batch["request"])])
-        while engine.has_work():  # an exception here fails the pipeline, and the job
-            results += [(numbers.pop(r.request_id), engine.output(r)) for r in engine.step().finished]
-        assert not numbers, f"{len(numbers)} requests unfinished, the engine idle"
-        stats = [pickle.dumps((self.name, engine.stats))] + [b""] * (len(results) - 1)
+        # a step that raises here fails the pipeline, and the job
+        stats = [pickle.dumps((self.name, self.engine.stats))] + [b""] * (len(results) - 1)
         return {"i": [i for i, _ in results], "result": [pickle.dumps(r) for _, r in results],
                 "stats": stats}
 

@@ -1,17 +1,19 @@
-"""The batch job's `Front` over replicas (a `ReplicaSet`, or anything with its `submit`,
-`collect` and `abort`): rows to N engines, results as they finish.
+"""The batch job's `Front` over replicas (a `ReplicaSet` or `RayReplicaSet`: their
+`offer`, `collect` and `abort`): rows to N engines, results as they finish.
 
-In: (key, request) pairs, pulled as room frees up and submitted together (`submit(...,
-refuse=True)`: checked, tokenized and routed in this thread; one the parent refuses comes
-back at once as (key, error)), with at most `max_in_flight` across all replicas. Out:
-lists of (key, result) from `ReplicaSet.collect`, one list per wait: an output (with
-`finish_reason="error"` when it failed running or its replica died), or the ValueError /
-TypeError with which a replica's checks refused it. The rows in flight when the job stops
-are aborted on their replicas. Imports no jax.
+In: (key, request) pairs, pulled as room frees up and offered together (`offer`: checked,
+tokenized and routed in this thread; one the parent refuses comes back at once as (key, its
+`RequestResult`)), with at most `max_in_flight` across all replicas. Out: lists of (key,
+`RequestResult`) from `collect`, one list per wait: an output (with `finish_reason="error"`
+when it failed running or its replica died), or the `RequestError` with which the checks
+refused it. The rows in flight when the job stops are aborted on their replicas. Imports no
+jax.
 """
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+
+from hetero_jax.outputs import RequestResult
 
 WAIT_S = 1.0  # one collect's wait: how often an idle front looks for its next results
 
@@ -47,11 +49,7 @@ class ReplicaFront:
             fresh.append(item)
         if not fresh:
             return [], exhausted
-        refused = []
-        tags = self.replicas.submit([request for _, request in fresh], refuse=True)
-        for (key, _), tag in zip(fresh, tags):
-            if isinstance(tag, Exception):
-                refused.append((key, tag))
-            else:
-                keys[tag] = key
-        return refused, exhausted
+        tags, refused = self.replicas.offer([request for _, request in fresh])
+        for position, tag in tags.items():
+            keys[tag] = fresh[position][0]
+        return [(fresh[p][0], RequestResult(error=e)) for p, e in refused.items()], exhausted

@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 
-from hetero_jax.outputs import EmbeddingOutput, RequestError, RequestFailed
+from hetero_jax.outputs import EmbeddingOutput, RequestFailed
 from hetero_jax.requests import EmbedRequest, GenerateRequest, PoolingParams, SamplingParams
 from hetero_jax.serving.client import (FrontStats, GenerateStream, StepTimes, admitted,
                                        finished_only, succeeded)
@@ -113,16 +113,13 @@ class AsyncReplicas:
             finished = await self._loop.run_in_executor(self._thread, self.replicas.collect,
                                                         POLL_S)
             for tag, result in finished:
-                kind = self._kinds.get(tag)
                 future = self._resolve(tag)
                 if future is None or future.done():
                     continue
-                if isinstance(result, TypeError):  # the set's (tag, output | error) pairs
-                    future.set_exception(RequestError(0, "params", str(result)))
-                elif isinstance(result, ValueError):
-                    future.set_exception(RequestError(0, FIELDS[kind], str(result)))
+                if result.error is not None:  # the replica's checks refused it
+                    future.set_exception(result.error)
                 else:
-                    future.set_result(result)
+                    future.set_result(result.output)
 
     async def close(self) -> None:
         """Stop collecting; every request in flight raises RequestFailed and is aborted."""

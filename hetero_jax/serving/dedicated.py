@@ -8,7 +8,9 @@ Each engine runs in its own worker process (multiprocessing, spawn) on disjoint 
 CPU each worker is pinned to its own core (`os.sched_setaffinity`) and XLA gets one thread
 (`XLA_FLAGS` is set in the worker before it imports jax; this module imports no jax at the
 top, so the worker can). The parent talks to each worker through one duplex pipe:
-`("run", requests) -> ("ok", (outputs, stats))` or `("error", (type, message, traceback))`;
+`("run", requests) -> ("ok", (outputs, stats))`, `("refused", RequestError)` (named by its
+index in that worker's share: the parent renames it, `RequestError.at`) or `("error", (type,
+message, traceback))`;
 `("warmup", None) -> ("ok", compiles)`; `("close", None)` ends it. `run` sends the embedding
 requests to one worker and the generation requests to the other, then waits for both, so the
 two kinds run at the same time on their own cores and never share a step.
@@ -21,12 +23,12 @@ from __future__ import annotations
 import dataclasses
 import multiprocessing
 import os
-import re
 import time
 import weakref
 
 from hetero_jax.config import EngineConfig
 from hetero_jax.models.presets import preset_config
+from hetero_jax.outputs import RequestError
 from hetero_jax.requests import EmbedRequest
 from hetero_jax.serving.batch_api import BatchAPI
 from hetero_jax.serving.input_processor import check_request_type, default_seed
@@ -61,6 +63,9 @@ def _worker(role: str, core: int, source: ModelSource, config: EngineConfig, con
                 result = engine.reset_prefix_cache()
             else:
                 raise ValueError(f"unknown command {cmd!r}")
+        except RequestError as e:  # refused by the checks: crosses the pipe as itself
+            conn.send(("refused", e))
+            continue
         except Exception as e:  # noqa: BLE001 - the engine stays usable; the parent raises
             conn.send(("error", described_error(e)))
             continue
@@ -157,8 +162,10 @@ class DedicatedEngine(BatchAPI):
         for role in sent:  # wait for every worker, even after one failed
             try:
                 results[role], self.stats[role] = self._receive(role)
+            except RequestError as e:  # named by its index in the worker's share
+                errors.append(e.at(split[role][e.index][0]))
             except (ValueError, TypeError) as e:
-                errors.append(_global_index(e, [i for i, _ in split[role]]))
+                errors.append(e)
         if errors:
             raise errors[0]
         outs = [None] * len(requests)
@@ -186,14 +193,7 @@ class DedicatedEngine(BatchAPI):
         status, payload = conn.recv()
         if status == "ok":
             return payload
+        if status == "refused":
+            raise payload
         raise remote_error(*payload[:2], f"the {role} worker failed", payload[2])
 
-
-def _global_index(error: Exception, indices: list) -> Exception:
-    """A worker's error names the request by its index in that worker's list (`prompt 2`,
-    `input 0`, `request 1`); rename it by its index in the caller's list."""
-    match = re.match(r"(prompt|input|request) (\d+)\b", str(error))
-    if not match or int(match[2]) >= len(indices):
-        return error
-    kind, local = match[1], int(match[2])
-    return type(error)(f"{kind} {indices[local]}{str(error)[match.end():]}")

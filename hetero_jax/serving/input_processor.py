@@ -19,6 +19,7 @@ import numpy as np
 
 from hetero_jax.config import EngineConfig
 from hetero_jax.models.config import ModelConfig
+from hetero_jax.outputs import RequestError
 from hetero_jax.requests import (POOLING_KINDS, EmbedRequest, GenerateRequest, PoolingParams,
                                  SamplingParams, described)
 from hetero_jax.sched import EMBED, EmbedKnobs, GenKnobs, Request
@@ -47,17 +48,19 @@ def _ids_of(index: int, text, kind: str) -> list:
     """Token ids given as a list/tuple of Python or numpy integers, or a 1-D integer array."""
     if isinstance(text, np.ndarray):
         if text.ndim != 1 or not np.issubdtype(text.dtype, np.integer):
-            raise ValueError(f"{kind} {index} is an array of shape {text.shape} and dtype "
-                             f"{text.dtype}; expected a 1-D integer array")
+            raise RequestError.naming(kind, index,
+                                      f" is an array of shape {text.shape} and dtype "
+                                      f"{text.dtype}; expected a 1-D integer array")
         return text.tolist()
     if not isinstance(text, (list, tuple)):
         hint = " (decode bytes to a string first)" if isinstance(text, (bytes, bytearray)) else ""
-        raise ValueError(f"{kind} {index} is {described(text)}; expected a string or a "
-                         f"list of token ids{hint}")
+        raise RequestError.naming(kind, index, f" is {described(text)}; expected a string or "
+                                  f"a list of token ids{hint}")
     for i, t in enumerate(text):
         if isinstance(t, bool) or not isinstance(t, numbers.Integral):
-            raise ValueError(f"{kind} {index}: token {i} is {reprlib.repr(t)} "
-                             f"({type(t).__name__}); expected an integer token id")
+            raise RequestError.naming(kind, index,
+                                      f": token {i} is {reprlib.repr(t)} ({type(t).__name__}); "
+                                      "expected an integer token id")
     return [int(t) for t in text]
 
 
@@ -65,21 +68,21 @@ def tokenize(index: int, text, tokenizer, vocab: int, kind: str) -> list:
     """A string or token ids -> checked token ids; `kind` ("prompt", "input") names it."""
     if isinstance(text, str):
         if tokenizer is None:
-            raise ValueError(f"{kind} {index} is a string but the model has no tokenizer; "
-                             "pass token ids")
+            raise RequestError.naming(kind, index, " is a string but the model has no "
+                                      "tokenizer; pass token ids")
         try:
             text.encode("utf-8")
         except UnicodeEncodeError as e:
-            raise ValueError(f"{kind} {index} is not valid Unicode ({e.reason} at character "
-                             f"{e.start})") from None
+            raise RequestError.naming(kind, index, f" is not valid Unicode ({e.reason} at "
+                                      f"character {e.start})") from None
         ids = tokenizer.encode(text) if text else []
     else:
         ids = _ids_of(index, text, kind)
     if not ids:
-        raise ValueError(f"{kind} {index} is empty")
+        raise RequestError.naming(kind, index, " is empty")
     bad = [t for t in ids if not 0 <= t < vocab]
     if bad:
-        raise ValueError(f"{kind} {index}: token id {bad[0]} outside [0, {vocab})")
+        raise RequestError.naming(kind, index, f": token id {bad[0]} outside [0, {vocab})")
     return ids
 
 
@@ -129,16 +132,20 @@ class InputProcessor:
             return self._embed(index, request_id, request)
         sp = request.params
         if sp.logprobs is not None and sp.logprobs > self.config.max_logprobs:
-            raise ValueError(f"prompt {index}: logprobs={sp.logprobs} exceeds max_logprobs="
-                             f"{self.config.max_logprobs}")
+            raise RequestError.naming("prompt", index,
+                                      f": logprobs={sp.logprobs} exceeds "
+                                      f"max_logprobs={self.config.max_logprobs}")
         vocab = self.model_cfg.vocab_size
         ids = tokenize(index, request.prompt, self.tokenizer, vocab, "prompt")
         bad = [t for t in sp.stop_token_ids if t >= vocab]
         if bad:
-            raise ValueError(f"prompt {index}: stop token id {bad[0]} outside [0, {vocab})")
+            raise RequestError.naming("prompt", index, f": stop token id {bad[0]} outside "
+                                      f"[0, {vocab})")
         if len(ids) >= self.config.max_model_len:
-            raise ValueError(f"prompt {index} has {len(ids)} tokens; max_model_len="
-                             f"{self.config.max_model_len} leaves no room to generate")
+            raise RequestError.naming("prompt", index,
+                                      f" has {len(ids)} tokens; "
+                                      f"max_model_len={self.config.max_model_len} leaves no room "
+                                      "to generate")
         eos = () if sp.ignore_eos else self.model_cfg.eos_token_ids
         seed = sp.seed if sp.seed is not None else default_seed(self.config.seed, request_id)
         return Request(request_id=request_id, prompt_token_ids=ids, max_tokens=sp.max_tokens,
@@ -151,15 +158,18 @@ class InputProcessor:
         ids = tokenize(index, r.input, model.tokenizer, model.vocab_size, "input")
         if len(ids) > model.max_len:
             if not pp.truncate:
-                raise ValueError(f"input {index} has {len(ids)} tokens > the embedding limit "
-                                 f"{model.max_len} (PoolingParams(truncate=True) keeps the "
-                                 "first ones)")
+                raise RequestError.naming("input", index,
+                                          f" has {len(ids)} tokens > the embedding limit "
+                                          f"{model.max_len} (PoolingParams(truncate=True) keeps "
+                                          "the first ones)")
             ids = truncate(ids, model.max_len, model.tokenizer)
         pooling = pp.pooling or model.pooling
         normalize = model.normalize if pp.normalize is None else pp.normalize
         if pooling == "buffered" and not (model.on_decoder and self.config.buffered_head):
-            raise ValueError(f"input {index}: pooling='buffered' needs "
-                             "EngineConfig(buffered_head=...) and the decoder as embedding model")
+            raise RequestError.naming("input", index,
+                                      ": pooling='buffered' needs "
+                                      "EngineConfig(buffered_head=...) and the decoder as "
+                                      "embedding model")
         adapter_id = self._adapter_id(index, pp.adapter)
         cacheable = model.on_decoder and pooling != "buffered"  # a buffered head needs all rows
         return Request(request_id=request_id, prompt_token_ids=ids, kind=EMBED,
@@ -173,6 +183,7 @@ class InputProcessor:
         if name is None:
             return 1 if self.adapter_ids else 0
         if name not in self.adapter_ids:
-            raise ValueError(f"input {index}: unknown adapter {name!r}; loaded: "
-                             f"{sorted(self.adapter_ids) or 'none'}")
+            raise RequestError.naming("input", index,
+                                      f": unknown adapter {name!r}; loaded: "
+                                      f"{sorted(self.adapter_ids) or 'none'}")
         return self.adapter_ids[name]

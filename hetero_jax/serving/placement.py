@@ -14,7 +14,6 @@ flight: `key` -> `place` -> `release`. `seeded` gives a prompt without a seed th
 from __future__ import annotations
 
 import dataclasses
-import re
 import time
 
 from hetero_jax.config import EngineConfig
@@ -37,12 +36,6 @@ def router_policy(router: RouterConfig | str | None, config: EngineConfig) -> st
     if policy == "prefix-affinity" and not config.prefix_caching:
         raise ValueError("router='prefix-affinity' needs EngineConfig(prefix_caching=True)")
     return policy
-
-
-def renumber_error(message: str, index: int) -> str:
-    """A replica names a refused request by its index in its own list (always 0); name it by
-    its index in the caller's list."""
-    return re.sub(r"^(prompt|input|request) 0\b", lambda m: f"{m[1]} {index}", message)
 
 
 def error_output(tag: int, request, start: float, why: str):

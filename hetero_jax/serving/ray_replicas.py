@@ -10,9 +10,10 @@ replica, by default its `tensor_parallel` GPUs on a GPU cluster; on CPUs one XLA
 from the same
 `ModelSource`. The driver routes every request with `placement.Placement` (the router, the
 loads, the engine's page digests), then sends each replica its share of a `submit` as one
-actor call, `EngineActor.serve([(tag, request)])`, which prepares each request (a refused
-one comes back as its error), steps the engine until all of them finished and returns
-`([(tag, output, error)], stats)`. Calls to one actor run in order; `collect` waits on the
+actor call, `EngineActor.serve([(tag, request)])`, which drives its engine through a
+`drive.Drive` (a refused request comes back as its `RequestError`) until all of them finished
+and returns `([(tag, RequestResult)], failure, stats)` (`failure`: None, or the (tags, reason)
+of a step that failed with no request to blame). Calls to one actor run in order; `collect` waits on the
 calls in flight (`ray.wait`). A call whose actor died (`RayActorError`) fails its requests
 with a RuntimeError naming the replica; the router sends nothing more there; the others go
 on. `abort` drops a request's result (its call still runs to its end). `ray.init(address)`
@@ -31,7 +32,8 @@ from hetero_jax.models.presets import preset_config
 from hetero_jax.sched.router import RouterConfig
 from hetero_jax.serving.placement import router_policy
 from hetero_jax.serving.processes import ModelSource, one_thread_flags
-from hetero_jax.serving.replica_worker import admit, engine_info
+from hetero_jax.serving.drive import Drive
+from hetero_jax.serving.replica_worker import engine_info
 from hetero_jax.serving.routed import RoutedReplicas
 
 PROBE_S = 5.0  # how long an address may take to accept a TCP connection
@@ -104,21 +106,18 @@ class EngineActor:
         return engine_info(self.engine)
 
     def serve(self, items: list) -> tuple:
-        """[(tag, request)] -> ([(tag, output or None, error or None)], stats), every tag
-        once: refused at once, the rest when the engine finished them."""
-        engine = self.engine
-        tags, refused = admit(engine, items)
-        results = [(tag, None, (type(e).__name__, str(e))) for tag, e in refused]
+        """[(tag, request)] -> ([(tag, RequestResult)], failure, stats): every tag once,
+        refused at once, finished by the engine, or in `failure` = (tags, reason) when a step
+        failed with no request to blame (None otherwise)."""
+        drive = Drive(self.engine)
+        results = drive.admit(items)
         try:
-            while engine.has_work():
-                results += [(tags.pop(r.request_id), engine.output(r), None)
-                            for r in engine.step().finished]
+            while len(drive):
+                results += drive.step()
         except Exception as e:  # noqa: BLE001 - no request to blame: fail this call's own
-            why = ("RuntimeError", f"a replica failed a step: {type(e).__name__}: {e}")
-            for request_id, tag in tags.items():
-                engine.abort(request_id)
-                results.append((tag, None, why))
-        return results, engine.stats
+            why = f"a replica failed a step: {type(e).__name__}: {e}"
+            return results, (drive.abort_all(), why), self.engine.stats
+        return results, None, self.engine.stats
 
 
 class RayReplicaSet(RoutedReplicas):
@@ -185,7 +184,7 @@ class RayReplicaSet(RoutedReplicas):
         self.close()
 
     def collect(self, timeout: float | None = None) -> list:
-        """(tag, output or the error that refused it) of every call that finished, waiting
+        """(tag, `RequestResult`) of every call that finished, waiting
         up to `timeout` seconds for the first; [] if none did."""
         ray = self._ray
         if not self._calls:
@@ -197,7 +196,7 @@ class RayReplicaSet(RoutedReplicas):
         for ref in ready:
             replica, tags = self._calls.pop(ref)
             try:
-                results, stats = ray.get(ref)
+                results, failure, stats = ray.get(ref)
             except ray.exceptions.RayActorError as e:
                 with self._lock:
                     out += self._fail(replica, tags, lambda n: f"replica {replica} (a Ray "
@@ -206,7 +205,8 @@ class RayReplicaSet(RoutedReplicas):
                 continue
             with self._lock:
                 self.replica_stats[replica] = stats
-                out += [x for x in map(self._finish, results) if x is not None]
+                out += [x for x in (self._finish(*r) for r in results) if x is not None]
+                out += self._lost(*failure) if failure is not None else []
         return out
 
     def _dispatch(self, batches: dict) -> None:

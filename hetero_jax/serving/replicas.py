@@ -13,10 +13,10 @@ GPUs each replica also gets its own `tensor_parallel` of them, replica i the par
 replicas than the GPUs serve is refused before any process starts). The parent
 talks to it through one duplex pipe: `("add", [(tag, request)])`, `("abort", [tag])`,
 `("warmup", None)`, `("close", None)`. The worker steps while it has work and reads the pipe
-between steps; after each step it sends `("done", ([(tag, output, None)], stats))` for the
-requests that finished, and at once `(tag, None, (error type, message))` for those its checks
-refused. A step that fails with no request to blame fails every request of that replica
-(`finish_reason="error"`), and the replica goes on serving. One reader thread per replica
+between steps; after each step it sends `("done", ([(tag, RequestResult)], stats))` for the
+requests that finished, and at once the `RequestError`s of those its checks refused. A step
+that fails with no request to blame sends `("failed", (tags, reason))`: every request of that
+replica fails (`finish_reason="error"`), and the replica goes on serving. One reader thread per replica
 moves its messages, and `("dead", exit code)` when its pipe closes, onto one queue that
 `collect` drains in the caller's thread, so a worker never blocks on a full pipe.
 
@@ -155,8 +155,8 @@ class ReplicaSet(RoutedReplicas):
         return total
 
     def collect(self, timeout: float | None = None) -> list:
-        """(tag, output or the ValueError/TypeError that refused it) for requests that
-        finished, waiting up to `timeout` seconds for the first; [] if none did."""
+        """(tag, `RequestResult`) for requests that finished, waiting up to `timeout` seconds
+        for the first; [] if none did."""
         try:
             events = [self._events.get(timeout=timeout)]
         except queue.Empty:
@@ -173,7 +173,9 @@ class ReplicaSet(RoutedReplicas):
                     out += self._dead(index, payload)
                 elif kind == "done":
                     results, self.replica_stats[index] = payload
-                    out += [x for x in map(self._finish, results) if x is not None]
+                    out += [x for x in (self._finish(*r) for r in results) if x is not None]
+                elif kind == "failed":
+                    out += self._lost(*payload)
         return out
 
     # -- transport -----------------------------------------------------------------------

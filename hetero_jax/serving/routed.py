@@ -2,10 +2,13 @@
 
 `RoutedReplicas` is the engine-shaped half of `ReplicaSet` (processes) and `RayReplicaSet`
 (Ray actors): `submit` checks, tokenizes, routes (`placement.Placement`) and seeds requests
-and hands each replica its share (`_dispatch`, the subclass's transport); `collect` (the
-subclass's) turns what comes back into (tag, result) through `_finish`, or `_fail` for the
-requests of a replica that died; `abort` forgets requests (`_drop` tells the replicas);
-`run` (and through `batch_api` `generate`/`embed`) is submit + collect until all are back.
+and hands each replica its share (`_dispatch`, the subclass's transport); `offer` does the
+same but hands back the refused ones instead of raising; `collect` (the subclass's) turns what
+comes back into (tag, `RequestResult`) through `_finish`, `_lost` for the requests of a
+replica that failed a step, or `_fail` for those of a replica that died; `abort` forgets
+requests (`_drop` tells the replicas); `run` (and through `batch_api` `generate`/`embed`) is
+submit + collect until all are back. A refused request's `RequestError` names it by its
+index in its caller's list (`RequestError.at`), never by editing a message.
 A tag is the request id one engine would have given the request; outputs keep it, and times
 count from `submit`. One lock guards the flights, so an asyncio front may `submit` on its
 event loop while a thread waits in `collect`.
@@ -17,12 +20,11 @@ import itertools
 import threading
 import time
 
-from hetero_jax.outputs import EngineStats, sum_stats
+from hetero_jax.outputs import EngineStats, RequestError, RequestResult, sum_stats
 from hetero_jax.serving.batch_api import BatchAPI
 from hetero_jax.serving.input_processor import check_request_type
 from hetero_jax.serving.output_processor import renumbered
-from hetero_jax.serving.placement import Placement, error_output, renumber_error
-from hetero_jax.serving.processes import PIPE_ERRORS
+from hetero_jax.serving.placement import Placement, error_output
 
 
 @dataclasses.dataclass
@@ -89,46 +91,57 @@ class RoutedReplicas(BatchAPI):
         try:
             while len(results) < len(tags):
                 for tag, result in self.collect(timeout=1.0):
-                    if isinstance(result, Exception):
-                        raise result
-                    results[tag] = result
+                    if result.error is not None:
+                        raise result.error
+                    results[tag] = result.output
         finally:
             self.abort([t for t in tags if t not in results])
         return [results[t] for t in tags]
 
-    def submit(self, requests: list, refuse: bool = False) -> list:
+    def submit(self, requests: list) -> list:
         """Check, route and send requests; -> their tags (= request ids), in order. A request
-        of the wrong type or whose input cannot be tokenized raises before any is sent, naming
-        its index; with `refuse` it takes its place in the list as that error instead (the
-        others are sent), and every error names its request as index 0, as alone."""
-        names = [0] * len(requests) if refuse else range(len(requests))  # as errors name them
-        keyed = []
-        for i, r in zip(names, requests):
+        of the wrong type or whose input cannot be tokenized raises before any is sent,
+        naming its index."""
+        keys = [self._key(i, r) for i, r in enumerate(requests)]
+        return self._route(list(enumerate(requests)), keys)
+
+    def offer(self, requests: list) -> tuple[dict, dict]:
+        """As `submit`, but a request the checks refuse is not sent and raises nothing: ->
+        ({position: tag} of those sent, {position: RequestError} of those refused), every
+        request named as index 0, as alone (a TypeError is a RequestError of "params")."""
+        keys, refused = {}, {}
+        for i, r in enumerate(requests):
             try:
-                check_request_type(i, r)
-                keyed.append(self.placement.key(i, r))
-            except (ValueError, TypeError) as e:
-                if not refuse:
-                    raise
-                keyed.append(e)
+                keys[i] = self._key(0, r)
+            except RequestError as e:
+                refused[i] = e
+            except TypeError as e:
+                refused[i] = RequestError(0, "params", str(e))
+        tags = self._route([(0, requests[i]) for i in keys], list(keys.values()))
+        return dict(zip(keys, tags)), refused
+
+    def _key(self, index: int, r) -> tuple:
+        check_request_type(index, r)
+        return self.placement.key(index, r)
+
+    def _route(self, named: list, keys: list) -> list:
+        """Route and send [(index errors name it by, request)] with their placement keys ->
+        their tags."""
         live = [k for k in range(self.num_replicas) if self.alive[k] and self._running(k)]
         if not live:
             raise RuntimeError(f"every one of the {self.num_replicas} replicas is down")
-        batches, out = {}, []  # replica -> [(tag, request)]
+        batches, tags = {}, []  # replica -> [(tag, request)]
         with self._lock:
             start = time.perf_counter()
-            for i, r, key in zip(names, requests, keyed):
-                if isinstance(key, Exception):
-                    out.append(key)
-                    continue
+            for (i, r), key in zip(named, keys):
                 tag = next(self._tags)
                 replica = self.placement.place(*key, live)
                 r = self.placement.seeded(tag, r)
                 self._flights[tag] = Flight(replica, key[1], r, i, start)
                 batches.setdefault(replica, []).append((tag, r))
-                out.append(tag)
+                tags.append(tag)
         self._dispatch(batches)
-        return out
+        return tags
 
     def abort(self, tags) -> None:
         """Drop requests wherever they are (unknown or finished tags are ignored)."""
@@ -141,26 +154,31 @@ class RoutedReplicas(BatchAPI):
                     batches.setdefault(flight.replica, []).append(tag)
         self._drop(batches)
 
-    def _finish(self, result: tuple):
-        """A replica's (tag, output, error) -> (tag, result), or None for a dropped tag."""
-        tag, out, error = result
+    def _finish(self, tag, result: RequestResult):
+        """A replica's (tag, RequestResult) -> (tag, the caller's RequestResult), or None for
+        a dropped tag: the output numbered and timed as one engine's, the error naming the
+        request by its index in its caller's list."""
         flight = self._flights.pop(tag, None)
         if flight is None:
             return None
         self.placement.release(flight.replica, flight.cost)
-        if error is not None:
-            name, message = error
-            if name in PIPE_ERRORS:
-                return tag, PIPE_ERRORS[name](renumber_error(message, flight.index))
-            return tag, error_output(tag, flight.request, flight.start, message)
-        return tag, renumbered(out, tag, flight.start)
+        if result.error is not None:
+            return tag, RequestResult(error=result.error.at(flight.index))
+        return tag, RequestResult(renumbered(result.output, tag, flight.start))
+
+    def _lost(self, tags, why: str) -> list:
+        """These requests failed with no output of their own (`why`) -> (tag, RequestResult)."""
+        lost = [(tag, self._flights.pop(tag)) for tag in tags if tag in self._flights]
+        for _, f in lost:
+            self.placement.release(f.replica, f.cost)
+        return [(tag, RequestResult(error_output(tag, f.request, f.start, why)))
+                for tag, f in lost]
 
     def _fail(self, replica: int, tags, why) -> list:
         """`replica` is gone: these of its requests fail with `why(count)`; the router sends
         nothing more there."""
+        lost = self._lost(tags, why(sum(1 for tag in tags if tag in self._flights)))
         if self.alive[replica]:
             self.alive[replica] = False
             self.placement.forget(replica)
-        lost = [(tag, self._flights.pop(tag)) for tag in tags if tag in self._flights]
-        message = why(len(lost))
-        return [(tag, error_output(tag, f.request, f.start, message)) for tag, f in lost]
+        return lost
