@@ -1,4 +1,5 @@
 """Dedicated mode: two worker processes give what one engine gives, in input order."""
+import asyncio
 import os
 
 import numpy as np
@@ -6,6 +7,9 @@ import pytest
 
 from hetero_jax import (EmbedRequest, Engine, EngineConfig, GenerateRequest, PoolingParams,
                         SamplingParams, make_engine)
+from hetero_jax.models.tokenizer import ByteTokenizer
+from hetero_jax.outputs import RequestError
+from hetero_jax.serving.async_replicas import AsyncDedicated
 from hetero_jax.serving.dedicated import DedicatedEngine
 
 CONFIG = dict(token_budget=64, chunk_size=32, max_num_seqs=8, max_model_len=256,
@@ -69,6 +73,39 @@ def test_bad_input_raises_and_the_engine_stays_usable(dedicated):
     assert vec.shape == (1, 256) and np.isclose(np.linalg.norm(vec), 1.0)
     (out,) = dedicated.generate([[256, 1]], SamplingParams(max_tokens=3, temperature=0))
     assert len(out.token_ids) == 3
+
+
+def test_the_one_front_over_dedicated_mode_gives_what_run_gives(dedicated):
+    """`AsyncDedicated` (the front the bench drives dedicated mode through) batches what
+    arrives while a worker runs; each stream has one delta, the finished one; a bad request
+    fails its batch's callers with the engine's error."""
+    want = dedicated.run(requests())
+
+    async def serve():
+        front = AsyncDedicated(dedicated, ByteTokenizer())
+        try:
+            calls = [front.embed(r.input, r.params) if isinstance(r, EmbedRequest) else
+                     _deltas(front.generate(r.prompt, r.params)) for r in requests()]
+            got = await asyncio.gather(*calls)
+            bad = await asyncio.gather(front.embed([]), front.embed([]),
+                                       return_exceptions=True)  # one batch or two
+            return got, bad, front.batch_sizes, front.stats
+        finally:
+            await front.close()
+
+    got, bad, sizes, stats = asyncio.run(serve())
+    for g, w in zip(got, want):
+        if isinstance(g, list):
+            assert len(g) == 1 and g[0].finished and g[0].output.token_ids == w.token_ids
+        else:
+            np.testing.assert_allclose(g.embedding, w.embedding, rtol=1e-5, atol=1e-6)
+    assert all(isinstance(e, RequestError) and "input 0 is empty" in str(e) for e in bad), bad
+    assert sum(sizes["embed"]) == 4 + 2 and sum(sizes["generate"]) == 4, sizes
+    assert stats.engine.generated_tokens > 0
+
+
+async def _deltas(stream) -> list:
+    return [d async for d in stream]
 
 
 def test_reset_prefix_cache_forgets_both_workers_prefixes(dedicated):

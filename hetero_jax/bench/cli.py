@@ -12,7 +12,7 @@ finished requests over the whole run.
 
 Every scheduler gets its own engine with the same weights and `EngineConfig` (one `Engine`
 per policy, driven by `AsyncEngine`; `dedicated` is a `DedicatedEngine`, two processes on
-their own cores, driven by `bench.loop.DedicatedFront`). All engines are built and warmed up
+their own cores, driven by `serving.async_replicas.AsyncDedicated`). All engines are built and warmed up
 first; then, ratio by ratio, each scheduler serves the same request list with the same
 closed-loop clients (`bench.loop`), schedulers back to back so that a change in the machine's
 load hits all of them alike. Compiled steps are kept in a persistent XLA cache
@@ -28,8 +28,7 @@ import sys
 import time
 
 from hetero_jax.bench.config import BenchConfig, parse_config
-from hetero_jax.bench.loop import (DedicatedFront, closed_loop, counters, counters_delta,
-                                   summarize)
+from hetero_jax.bench.loop import closed_loop, counters, counters_delta, summarize
 from hetero_jax.bench.report import COLUMNS, NOTES, plot_results
 from hetero_jax.bench.workloads import (MixedWorkload, SharedPrefixWorkload,
                                         synthetic_iter_retgen)
@@ -93,13 +92,15 @@ class Contender:
             return await closed_loop(front, items, clients, on_done, index, iterations)
         finally:
             await front.close()
-            self.batch_sizes = getattr(front, "batch_sizes", {}).get("generate")
+            if self.scheduler == "dedicated":
+                self.batch_sizes = front.batch_sizes["generate"]
 
     def front(self):
         from hetero_jax.serving.async_engine import AsyncEngine
+        from hetero_jax.serving.async_replicas import AsyncDedicated
 
         if self.scheduler == "dedicated":
-            return DedicatedFront(self.engine, self.tokenizer)
+            return AsyncDedicated(self.engine, self.tokenizer)
         return AsyncEngine(self.engine)
 
     def close(self) -> None:

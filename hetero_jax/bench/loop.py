@@ -12,25 +12,23 @@ seeded, shuffled list with exact per-type counts; each of `clients` coroutines t
 request from that shared list as soon as its previous one has finished, until none is left.
 Throughput is requests over the wall time from the first submit to the last finish.
 
-`DedicatedFront` gives `DedicatedEngine`, whose only serving call is a batch `run()`, the same
-coroutines: per worker (embedding, generation) one `run()` at a time in its own thread;
-requests that arrive while a worker's batch runs wait and the next batch takes all of them.
-Both workers run at once. Inside a batch each worker is an ordinary continuously batching
-`Engine`; what it cannot do is admit a request into a batch that is already running.
+Every engine is met through its `EngineClient` (`serving.front.Front`): `AsyncEngine`,
+`AsyncReplicas`, or for a `DedicatedEngine`, whose only serving call is a batch `run()`,
+`AsyncDedicated` (per worker one `run()` at a time; requests that arrive while a worker's
+batch runs wait and the next batch takes all of them). Inside a batch each worker is an
+ordinary continuously batching `Engine`; what it cannot do is admit a request into a batch
+that is already running.
 """
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import dataclasses
 import time
 
-from hetero_jax.outputs import EmbeddingOutput, RequestOutput, sum_stats
+from hetero_jax.outputs import RequestOutput
 from hetero_jax.rag.iter_retgen import run_iter_retgen
-from hetero_jax.requests import EmbedRequest, GenerateRequest, PoolingParams, SamplingParams
+from hetero_jax.requests import EmbedRequest
 from hetero_jax.sched import EMBED, GENERATE as GEN
-from hetero_jax.serving.client import (FrontStats, GenerateStream, StepTimes, finished_only,
-                                       succeeded)
 from hetero_jax.sim.report import percentile
 
 QUESTION = "question"
@@ -99,64 +97,6 @@ async def closed_loop(front, items: list, clients: int, on_done=None, index=None
 
     await asyncio.gather(*(client() for _ in range(min(clients, len(items)))))
     return records
-
-
-class DedicatedFront:
-    """The `EngineClient` over `DedicatedEngine.run`, one batch per worker at a time (see the
-    module docstring). A generation's stream has one delta, the finished one; `abort` does
-    nothing, since a worker's batch runs whole; `stats` sums the workers' counters."""
-
-    def __init__(self, dengine, tokenizer):
-        self.dengine = dengine
-        self.tokenizer, self.max_model_len = tokenizer, dengine.config.max_model_len
-        self._queues = {EMBED: [], GEN: []}  # kind -> [(request, future)] not yet sent
-        self._drains: dict = {}  # kind -> the task sending that worker its batches
-        self._threads = {k: concurrent.futures.ThreadPoolExecutor(1, f"dedicated-{k}")
-                         for k in self._queues}
-        self.batch_sizes: dict = {EMBED: [], GEN: []}
-
-    def generate(self, prompt, params=None, request_id=None) -> GenerateStream:
-        request = GenerateRequest(prompt, params or SamplingParams())
-        return GenerateStream(finished_only(self._submit(GEN, request), request_id))
-
-    async def embed(self, x, params=None, request_id=None) -> EmbeddingOutput:
-        out = await self._submit(EMBED, EmbedRequest(x, params or PoolingParams()))
-        return succeeded(out, out.request_id if request_id is None else request_id)
-
-    def abort(self, request_id) -> None:
-        """Nothing to do: a dedicated worker's batch runs whole."""
-
-    @property
-    def stats(self) -> FrontStats:
-        return FrontStats(sum_stats(list(self.dengine.stats.values())), {}, {}, StepTimes())
-
-    async def _submit(self, kind: str, request):
-        future = asyncio.get_running_loop().create_future()
-        self._queues[kind].append((request, future))
-        if kind not in self._drains or self._drains[kind].done():
-            self._drains[kind] = asyncio.ensure_future(self._drain(kind))
-        return await future
-
-    async def _drain(self, kind: str) -> None:
-        loop = asyncio.get_running_loop()
-        while self._queues[kind]:
-            batch, self._queues[kind] = self._queues[kind], []
-            self.batch_sizes[kind].append(len(batch))
-            try:
-                outs = await loop.run_in_executor(self._threads[kind], self.dengine.run,
-                                                  [r for r, _ in batch], False)
-            except Exception as e:  # noqa: BLE001 - the batch's callers get the error
-                for _, future in batch:
-                    if not future.done():
-                        future.set_exception(e)
-                continue
-            for (_, future), out in zip(batch, outs):
-                if not future.done():
-                    future.set_result(out)
-
-    async def close(self) -> None:
-        for pool in self._threads.values():
-            pool.shutdown(wait=True)
 
 
 def counters(engine) -> dict:

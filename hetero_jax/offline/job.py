@@ -3,12 +3,13 @@
 In: `rows.InputRow`s in file order, a `Front`, an `OutputJournal` and an `ErrorLog`. `Feed`
 sorts the rows as they are read: a row with no request, or a later row with an id already
 seen, goes to ERRORS (stage "input"); a row whose id OUTPUT holds already is skipped; the
-rest go to the front as (row, request) pairs. The front hands back a list of (row, result)
-(a `RequestResult`: the output, or the `RequestError` that refused the request, whose
-`alone()` names it without an index) each time some requests finish; each list is written
-at once (`OutputJournal.append`: one write, flush and fsync), its failures and the feed's bad
-rows go to ERRORS, and the counts to a `Tally`. One thread: the front runs inside the job's loop and pulls the next rows only
-when it has room for them, so a run holds at most its front's requests in flight.
+rest go to the front as (row, request) pairs. The front hands back a list of (row, result) (a
+`RequestResult`: the output, or the `RequestError` that refused the request, whose `alone()`
+names it without an index) each time some requests finish; each list is written at once
+(`OutputJournal.append`: one write, flush and fsync), its failures and the feed's bad rows go
+to ERRORS, and the counts to a `Tally`. One thread: the front runs inside the job's loop and
+pulls the next rows only when it has room for them, so a run holds at most its front's
+requests in flight.
 
 `Front` is all the job needs from the engines, and `EngineFront` serves one `Engine` step by
 step through the one synchronous drive (`serving.drive`); a front over several engines

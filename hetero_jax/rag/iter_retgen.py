@@ -1,7 +1,7 @@
 """Iterative retrieval (Iter-RetGen, Shao et al. 2023) on the heterogeneous engine.
 
 In: a `Front`, which is the `serving.client.EngineClient` every caller uses (an `AsyncEngine`,
-`AsyncReplicas`, or the bench's dedicated front), a `VectorIndex` and questions (strings or
+`AsyncReplicas`, or `AsyncDedicated`), a `VectorIndex` and questions (strings or
 `QueryPlan`s). Out: per question, an `IterRetGenResult`.
 
 `run_iter_retgen` is one question's program, a coroutine on the event loop:

@@ -1,45 +1,63 @@
-"""The `EngineClient` over a `ReplicaSet` (or `RayReplicaSet`): N engines, one collector.
+"""The `EngineClient` over engines in other processes: replicas (`AsyncReplicas`) and
+dedicated mode's two workers (`AsyncDedicated`); both are the one front (`front.Front`).
 
-`generate(prompt, params)` / `await embed(x, params)` check, tokenize and route in the
-caller's coroutine (a request of the wrong type, or whose input cannot be tokenized, raises
-`RequestError` there), then the request is on its replica. One collector task waits in a
-worker thread for the set's finished requests (`ReplicaSet.collect`) and resolves their
-futures on the event loop: an output, or the `RequestError` with which the replica's checks
-refused the request, or `RequestFailed` for one that failed running or whose replica died (the
-others go on). A replica reports a request when it finishes, so a generation's stream has one
-delta, the finished one. Cancelling a coroutine, leaving a stream or `abort(request_id)`
-aborts its request on its replica. `stats` sums the replicas' counters; its `waiting` counts
-the requests in flight by kind (the replicas do not report their queues). `close()` fails and
-aborts every request still in flight; the replica processes stay up (close the set for that).
-One event loop per front, as `AsyncEngine`.
+`ReplicaCore` serves a `ReplicaSet` or `RayReplicaSet`: `submit` checks, tokenizes and routes
+in the caller's coroutine (a request of the wrong type, or whose input cannot be tokenized,
+raises `RequestError` there), then the request is on its replica. One collector thread waits
+for the set's finished requests (`collect`, whose `RequestResult`s carry an output or the
+`RequestError` with which the replica's checks refused the request) and delivers them: a
+request that failed running or whose replica died raises `RequestFailed` (the others go on).
+A replica reports a request when it finishes, so a generation's stream has one delta, the
+finished one. Aborting a request aborts it on its replica. `stats` sums the replicas'
+counters; its `waiting` counts the requests in flight by kind (the replicas do not report
+their queues). `close()` fails and aborts every request still in flight; the replica
+processes stay up (close the set for that).
+
+`DedicatedCore` serves a `DedicatedEngine`, whose only serving call is a batch `run()`: per
+worker (embedding, generation) one `run()` at a time in its own thread; requests that arrive
+while a worker's batch runs wait and the next batch takes all of them (a batch that raises
+fails all of its requests with that error). Both workers run at once; `abort` only stops the
+caller waiting, since a worker's batch runs whole. Imports no jax.
 """
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
+import collections
+import itertools
+import threading
 
-from hetero_jax.outputs import EmbeddingOutput, RequestFailed
-from hetero_jax.requests import EmbedRequest, GenerateRequest, PoolingParams, SamplingParams
-from hetero_jax.serving.client import (FrontStats, GenerateStream, StepTimes, admitted,
-                                       finished_only, succeeded)
-from hetero_jax.serving.replicas import ReplicaSet
+from hetero_jax.outputs import RequestFailed, sum_stats
+from hetero_jax.requests import EmbedRequest
+from hetero_jax.serving.client import FrontStats, StepTimes
+from hetero_jax.serving.front import Front
+from hetero_jax.serving.output_processor import final_delta
 
-POLL_S = 0.2  # how long one collect waits, so a closed front's thread ends soon
-KINDS = {GenerateRequest: "generate", EmbedRequest: "embed"}
-FIELDS = {"generate": "prompt", "embed": "input"}  # how errors name a kind's input
+POLL_S = 0.2  # how long one collect waits, so a stopped core's thread ends soon
+EMBED, GEN = "embed", "generate"
 
 
-class AsyncReplicas:
-    def __init__(self, replicas: ReplicaSet):
+def _kind(request) -> str:
+    return EMBED if type(request) is EmbedRequest else GEN
+
+
+def finished_event(cid, kind: str, rid, out) -> tuple:
+    """The event of a request a core learns of when it ends: its output (a generation's as
+    its one, final delta), or RequestFailed when the engine failed it."""
+    if out.finish_reason == "error":
+        return cid, "error", RequestFailed(rid, out.error)
+    return cid, "end", out if kind == EMBED else final_delta(out, 0, "", rid)
+
+
+class ReplicaCore:
+    """A `front.Front`'s core over a replica set (module docstring)."""
+
+    def __init__(self, replicas):
         self.replicas = replicas
-        self._futures: dict = {}  # tag -> asyncio.Future, until resolved
-        self._kinds: dict = {}  # tag -> "generate" | "embed", until resolved
-        self._tags: dict = {}  # the caller's request id -> tag, until resolved
-        self._ids: dict = {}  # tag -> the caller's request id, until resolved
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._task: asyncio.Task | None = None
-        self._thread = concurrent.futures.ThreadPoolExecutor(1, "hetero-jax-collect")
-        self._closed = False
+        self._deliver = None
+        self._flights: dict = {}  # tag -> (kind, the caller's id), until delivered
+        self._lock = threading.Lock()  # a tag is in `_flights` before the collector sees it
+        self._wake = threading.Event()
+        self._stopping = False
+        self._thread: threading.Thread | None = None
 
     @property
     def tokenizer(self):
@@ -49,91 +67,133 @@ class AsyncReplicas:
     def max_model_len(self) -> int:
         return self.replicas.max_model_len
 
-    @property
+    def open(self, deliver) -> None:
+        self._deliver = deliver
+
+    def submit(self, request, request_id) -> tuple:
+        with self._lock:
+            (tag,) = self.replicas.submit([request])  # raises here, in the caller
+            rid = tag if request_id is None else request_id
+            self._flights[tag] = (_kind(request), rid)
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._collect, daemon=True,
+                                            name="hetero-jax-collect")
+            self._thread.start()
+        self._wake.set()
+        return tag, rid
+
+    def abort(self, tag) -> None:
+        self._flights.pop(tag, None)
+        self.replicas.abort([tag])
+
     def stats(self) -> FrontStats:
-        waiting = {}
-        for kind in list(self._kinds.values()):
+        waiting: dict = {}
+        for kind, _ in list(self._flights.values()):
             waiting[kind] = waiting.get(kind, 0) + 1
         return FrontStats(self.replicas.stats, waiting, {}, StepTimes())
 
-    def generate(self, prompt, params: SamplingParams | None = None,
-                 request_id=None) -> GenerateStream:
-        request = GenerateRequest(prompt, params or SamplingParams())
-        return GenerateStream(finished_only(self._submit(request, request_id), request_id))
+    def stop(self) -> None:
+        """End the collector thread; abort every request still in flight."""
+        self._stopping = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join()
+        self.replicas.abort(list(self._flights))
+        self._flights.clear()
 
-    async def embed(self, x, params: PoolingParams | None = None,
-                    request_id=None) -> EmbeddingOutput:
-        out = await self._submit(EmbedRequest(x, params or PoolingParams()), request_id)
-        return succeeded(out, out.request_id if request_id is None else request_id)
-
-    def abort(self, request_id) -> None:
-        """End a request by the caller's id (unknown or finished ids are ignored)."""
-        tag = self._tags.get(request_id)
-        future = self._resolve(tag)
-        if future is not None:
-            self.replicas.abort([tag])
-            future.set_exception(RequestFailed(request_id, f"request {request_id!r} was "
-                                                           "aborted"))
-
-    async def _submit(self, request, request_id):
-        loop = asyncio.get_running_loop()
-        if self._closed:
-            raise RuntimeError("this AsyncReplicas is closed; make a new one")
-        if self._loop is not None and self._loop is not loop:
-            if self._futures:
-                raise RuntimeError(f"this AsyncReplicas serves event loop {id(self._loop):#x} "
-                                   f"and was called from loop {id(loop):#x}; make one per "
-                                   "event loop")
-            self._task = None  # the old loop's collector went with it
-        self._loop = loop
-        (tag,) = admitted(lambda: self.replicas.submit([request]), FIELDS[KINDS[type(request)]],
-                          request_id, self._tags)  # raises here, in the caller
-        future = loop.create_future()
-        self._futures[tag], self._kinds[tag] = future, KINDS[type(request)]
-        self._ids[tag] = tag if request_id is None else request_id
-        self._tags[self._ids[tag]] = tag
-        if self._task is None or self._task.done():
-            self._task = loop.create_task(self._collector())
-        try:
-            return await future
-        except BaseException:
-            if self._resolve(tag) is not None:  # cancelled, or the stream was left
-                self.replicas.abort([tag])
-            raise
-
-    def _resolve(self, tag):
-        """Forget `tag`; -> its future if it was still in flight (None otherwise)."""
-        self._kinds.pop(tag, None)
-        self._tags.pop(self._ids.pop(tag, None), None)
-        return self._futures.pop(tag, None)
-
-    async def _collector(self) -> None:
-        """Resolve futures until none is left (a new request starts a new collector)."""
-        while self._futures:
-            finished = await self._loop.run_in_executor(self._thread, self.replicas.collect,
-                                                        POLL_S)
-            for tag, result in finished:
-                future = self._resolve(tag)
-                if future is None or future.done():
+    def _collect(self) -> None:
+        while not self._stopping:
+            if not self._flights:
+                self._wake.wait(POLL_S)
+                self._wake.clear()
+                continue
+            events, finished = [], self.replicas.collect(POLL_S)
+            with self._lock:
+                flights = [(tag, self._flights.pop(tag, None), result)
+                           for tag, result in finished]
+            for tag, flight, result in flights:
+                if flight is None:  # aborted meanwhile
                     continue
                 if result.error is not None:  # the replica's checks refused it
-                    future.set_exception(result.error)
+                    events.append((tag, "error", result.error))
                 else:
-                    future.set_result(result.output)
+                    events.append(finished_event(tag, *flight, result.output))
+            if events:
+                self._deliver(events)
 
-    async def close(self) -> None:
-        """Stop collecting; every request in flight raises RequestFailed and is aborted."""
-        self._closed = True
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-        self._thread.shutdown(wait=True)
-        futures, self._futures = self._futures, {}
-        self._kinds.clear()
-        self._tags.clear()
-        self._ids.clear()
-        self.replicas.abort(list(futures))
-        for future in futures.values():
-            if not future.done():
-                future.set_exception(RequestFailed(None, "the AsyncReplicas was closed before "
-                                                         "this request finished"))
+
+class AsyncReplicas(Front):
+    """The `EngineClient` of a `ReplicaSet` or `RayReplicaSet` (module docstring)."""
+
+    def __init__(self, replicas):
+        super().__init__(ReplicaCore(replicas))
+        self.replicas = replicas
+
+
+class DedicatedCore:
+    """A `front.Front`'s core over a `DedicatedEngine` (module docstring)."""
+
+    def __init__(self, dengine, tokenizer):
+        self.dengine, self.tokenizer = dengine, tokenizer
+        self.max_model_len = dengine.config.max_model_len
+        self.batch_sizes: dict = {EMBED: [], GEN: []}  # per worker, each batch's requests
+        self._deliver = None
+        self._ids = itertools.count()
+        self._queues = {k: collections.deque() for k in (EMBED, GEN)}  # (id, caller id, req)
+        self._wake = {k: threading.Event() for k in self._queues}
+        self._stopping = False
+        self._threads: dict = {}
+
+    def open(self, deliver) -> None:
+        self._deliver = deliver
+
+    def submit(self, request, request_id) -> tuple:
+        cid = next(self._ids)
+        rid = cid if request_id is None else request_id
+        kind = _kind(request)
+        self._queues[kind].append((cid, rid, request))
+        if kind not in self._threads:
+            self._threads[kind] = threading.Thread(target=self._serve, args=(kind,),
+                                                   daemon=True, name=f"dedicated-{kind}")
+            self._threads[kind].start()
+        self._wake[kind].set()
+        return cid, rid
+
+    def abort(self, cid) -> None:
+        """Nothing to do: a dedicated worker's batch runs whole."""
+
+    def stats(self) -> FrontStats:
+        return FrontStats(sum_stats(list(self.dengine.stats.values())), {}, {}, StepTimes())
+
+    def stop(self) -> None:
+        self._stopping = True
+        for kind, thread in self._threads.items():
+            self._wake[kind].set()
+            thread.join()
+
+    def _serve(self, kind: str) -> None:
+        """One worker's batches, each `run` whole, until stopped."""
+        queue = self._queues[kind]
+        while not self._stopping:
+            self._wake[kind].wait()
+            self._wake[kind].clear()
+            while queue and not self._stopping:
+                batch = [queue.popleft() for _ in range(len(queue))]
+                self.batch_sizes[kind].append(len(batch))
+                try:
+                    outs = self.dengine.run([r for _, _, r in batch], False)
+                except Exception as e:  # noqa: BLE001 - the batch's callers get the error
+                    self._deliver([(cid, "error", e) for cid, _, _ in batch])
+                    continue
+                self._deliver([finished_event(cid, kind, rid, out)
+                               for (cid, rid, _), out in zip(batch, outs)])
+
+
+class AsyncDedicated(Front):
+    """The `EngineClient` of a `DedicatedEngine` (module docstring); `batch_sizes` holds
+    each worker's batch sizes."""
+
+    def __init__(self, dengine, tokenizer):
+        super().__init__(DedicatedCore(dengine, tokenizer))
+        self.dengine = dengine
+        self.batch_sizes = self.core.batch_sizes

@@ -11,20 +11,20 @@ aborts the request and frees its pages. `embed` returns an `EmbeddingOutput` (ve
 token ids). `abort(request_id)` ends a request by the caller's id. `stats` is a `FrontStats`:
 the engine's counters plus the queue by kind and a histogram of step times.
 
-Implementations: `AsyncEngine` (one engine in this process, streaming per step) and
-`AsyncReplicas` (replicas in processes or Ray actors; a stream there has one delta, the
-finished one, since replicas report requests when they finish).
+One implementation, `front.Front`, over a core per kind of engine: `AsyncEngine` (one engine
+in this process, streaming per step), `AsyncReplicas` (replicas in processes or Ray actors)
+and `AsyncDedicated` (dedicated mode's two workers); a stream of the last two has one delta,
+the finished one, since they learn of a request when it ends.
 """
 from __future__ import annotations
 
 import bisect
 import dataclasses
-from typing import AsyncIterator, Awaitable, Protocol
+from typing import AsyncIterator, Protocol
 
 from hetero_jax.outputs import (EmbeddingOutput, EngineStats, GenerateDelta, RequestError,
-                                RequestFailed, RequestOutput)
+                                RequestOutput)
 from hetero_jax.requests import PoolingParams, SamplingParams
-from hetero_jax.serving.output_processor import final_delta
 
 # upper bounds (seconds) of the step-time histogram's buckets; the last bucket is +Inf
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
@@ -67,21 +67,6 @@ def admitted(call, field: str, request_id, in_flight):
         raise RequestError(0, "params", str(e)) from e
     except ValueError as e:
         raise RequestError(0, field, str(e)) from e
-
-
-def succeeded(out, request_id):
-    """`out` (a RequestOutput or EmbeddingOutput), or RequestFailed when the engine failed it."""
-    if out.finish_reason == "error":
-        raise RequestFailed(request_id, out.error)
-    return out
-
-
-async def finished_only(output: Awaitable, request_id) -> AsyncIterator[GenerateDelta]:
-    """The stream of a front that learns of a generation only when it ends: one delta, the
-    finished one (`request_id` None: the output's)."""
-    out = await output
-    rid = out.request_id if request_id is None else request_id
-    yield final_delta(succeeded(out, rid), 0, "", rid)
 
 
 @dataclasses.dataclass

@@ -13,13 +13,13 @@ loads, the engine's page digests), then sends each replica its share of a `submi
 actor call, `EngineActor.serve([(tag, request)])`, which drives its engine through a
 `drive.Drive` (a refused request comes back as its `RequestError`) until all of them finished
 and returns `([(tag, RequestResult)], failure, stats)` (`failure`: None, or the (tags, reason)
-of a step that failed with no request to blame). Calls to one actor run in order; `collect` waits on the
-calls in flight (`ray.wait`). A call whose actor died (`RayActorError`) fails its requests
-with a RuntimeError naming the replica; the router sends nothing more there; the others go
-on. `abort` drops a request's result (its call still runs to its end). `ray.init(address)`
-joins a cluster, or with no address starts a local one; an address that takes no TCP
-connection within `PROBE_S` is a ValueError naming it, before `ray.init` (which would retry it
-for minutes). Imports no jax (the actors do).
+of a step that failed with no request to blame). Calls to one actor run in order; `collect`
+waits on the calls in flight (`ray.wait`). A call whose actor died (`RayActorError`) fails its
+requests with a RuntimeError naming the replica; the router sends nothing more there; the
+others go on. `abort` drops a request's result (its call still runs to its end).
+`ray.init(address)` joins a cluster, or with no address starts a local one; an address that
+takes no TCP connection within `PROBE_S` is a ValueError naming it, before `ray.init` (which
+would retry it for minutes). Imports no jax (the actors do).
 """
 from __future__ import annotations
 

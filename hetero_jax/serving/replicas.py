@@ -16,8 +16,8 @@ talks to it through one duplex pipe: `("add", [(tag, request)])`, `("abort", [ta
 between steps; after each step it sends `("done", ([(tag, RequestResult)], stats))` for the
 requests that finished, and at once the `RequestError`s of those its checks refused. A step
 that fails with no request to blame sends `("failed", (tags, reason))`: every request of that
-replica fails (`finish_reason="error"`), and the replica goes on serving. One reader thread per replica
-moves its messages, and `("dead", exit code)` when its pipe closes, onto one queue that
+replica fails (`finish_reason="error"`), and the replica goes on serving. One reader thread
+per replica moves its messages, and `("dead", exit code)` when its pipe closes, onto one queue that
 `collect` drains in the caller's thread, so a worker never blocks on a full pipe.
 
 Routing (`placement.Placement` over `sched.router`): the parent tokenizes each request with
