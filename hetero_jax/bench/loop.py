@@ -100,11 +100,11 @@ async def closed_loop(front, items: list, clients: int, on_done=None, index=None
 
 
 def counters(engine) -> dict:
-    """Cumulative step counters of an Engine, or of each worker of a DedicatedEngine."""
-    stats = engine.stats if isinstance(engine.stats, dict) else {"engine": engine.stats}
+    """Cumulative step counters of each worker of an engine (`worker_stats`: one for an
+    Engine, two for a DedicatedEngine, one per replica)."""
     keys = ("steps", "scheduled_tokens", "compiles", "compile_s", "cache_query_tokens",
             "cache_hit_tokens")
-    return {name: {k: getattr(s, k) for k in keys} for name, s in stats.items()}
+    return {name: {k: getattr(s, k) for k in keys} for name, s in engine.worker_stats.items()}
 
 
 def counters_delta(before: dict, after: dict) -> dict:

@@ -131,6 +131,11 @@ class DedicatedEngine(BatchAPI):
     def __exit__(self, *exc) -> None:
         self.close()
 
+    @property
+    def worker_stats(self) -> dict:
+        """{role: EngineStats} of each worker after its last run (as every engine gives)."""
+        return dict(self.stats)
+
     # -- serving -----------------------------------------------------------------------------
     def warmup(self) -> int:
         """Compile every step variant in both workers (at the same time); returns the total."""

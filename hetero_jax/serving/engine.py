@@ -292,6 +292,11 @@ class Engine(BatchAPI):
         return error_output(req)
 
     @property
+    def worker_stats(self) -> dict:
+        """{worker: EngineStats}, as every engine gives them (one worker here)."""
+        return {"engine": self.stats}
+
+    @property
     def embedding_dim(self) -> int:
         """The length of the vectors `embed` returns."""
         return (self.encoder.runner.cfg if self.encoder else self.model_cfg).hidden_size

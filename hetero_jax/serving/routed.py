@@ -78,6 +78,11 @@ class RoutedReplicas(BatchAPI):
         """Every replica's `EngineStats`, its counts summed (per replica: `replica_stats`)."""
         return sum_stats(self.replica_stats)
 
+    @property
+    def worker_stats(self) -> dict:
+        """{"replica i": EngineStats} (as every engine gives them)."""
+        return {f"replica {i}": s for i, s in enumerate(self.replica_stats)}
+
     def run(self, requests: list, use_tqdm: bool = True) -> list:
         """Serve the requests on the replicas; outputs in input order. A request the checks
         refuse raises, naming its index (the others are aborted); one that fails running,
