@@ -5,6 +5,7 @@ raises naming it; a replica killed mid-run fails its own requests and the other 
 The tests share one ReplicaSet (its start-up is the cost); the kill test runs last."""
 import asyncio
 import os
+import pickle
 import re
 import signal
 
@@ -150,6 +151,30 @@ def test_the_batch_job_on_replicas_writes_the_rows_of_one_engine(replicas, one, 
         assert g == w, key
     assert {"line": 19, "id": "bad", "stage": "engine", "error": "the prompt is empty"} in \
         errors[1]
+
+
+def test_the_ray_actors_drive_their_engine_as_one_engine_does(one):
+    """`EngineActor.serve` and the Ray Data `EngineBatcher` are plain classes (Ray makes them
+    actors; here they run without it): each drives its engine through `drive.Drive`, so every
+    tag comes back once, as one engine's output or as the `RequestError` that refused it."""
+    from hetero_jax.offline.ray_data import EngineBatcher
+    from hetero_jax.serving.processes import ModelSource
+    from hetero_jax.serving.ray_replicas import EngineActor
+
+    items = [(10, GenerateRequest([256, 1, 2], SamplingParams(max_tokens=4, temperature=0))),
+             (11, EmbedRequest([])), (12, EmbedRequest([5, 6, 7], PoolingParams("mean")))]
+    want = one.run([items[0][1], items[2][1]], False)
+    source, config = ModelSource(preset="tiny"), EngineConfig(**CONFIG)
+    results, failure, _ = EngineActor(source, config).serve(items)
+    batch = EngineBatcher(source, config)({"i": np.arange(3), "request": np.array(
+        [pickle.dumps(r) for _, r in items], dtype=object)})
+    from_batcher = {int(i) + 10: pickle.loads(r) for i, r in zip(batch["i"], batch["result"])}
+    for got in (dict(results), from_batcher):
+        assert sorted(got) == [10, 11, 12] and failure is None
+        assert str(got[11].error) == "input 0 is empty" and got[11].output is None
+        assert got[10].output.token_ids == want[0].token_ids
+        np.testing.assert_allclose(got[12].output.embedding, want[1].embedding, rtol=1e-5,
+                                   atol=1e-6)
 
 
 def test_a_killed_replica_fails_its_own_requests_and_the_other_goes_on(replicas):
