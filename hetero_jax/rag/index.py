@@ -1,7 +1,8 @@
 """An exact cosine-similarity vector index on the device, and filling it from an engine.
 
 In: vectors `[n, d]` (any norm) with their documents and ids, or documents embedded by an
-`Engine` / `AsyncEngine`. Out: `search(queries, k) -> (scores [Q, k], rows [Q, k])`.
+`Engine` (`from_engine`) or any `EngineClient` (`build_index`). Out: `search(queries, k) ->
+(scores [Q, k], rows [Q, k])`.
 
 `VectorIndex` keeps L2-normalised fp32 vectors `[C, d]` on the device; the capacity C is a
 power-of-two bucket and rows past `size` are zero. `search` is one jitted matmul, a mask of
@@ -13,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import inspect
 import json
 from collections.abc import Sequence
 
@@ -190,18 +190,16 @@ def _check_docs(docs) -> list[str]:
     return [check_text(d, f"document {i}") for i, d in enumerate(docs)]
 
 
-async def build_index(engine, docs: Sequence[str], ids: Sequence | None = None,
+async def build_index(front, docs: Sequence[str], ids: Sequence | None = None,
                       params: PoolingParams | None = None, min_capacity: int = 64) -> VectorIndex:
-    """Embed `docs` through an `AsyncEngine` (one request each, batched by its stepper; any
-    front with an async `embed` will do) or a synchronous `Engine`, and index them. A bad
-    document raises ValueError naming it."""
-    if not inspect.iscoroutinefunction(engine.embed):
-        return VectorIndex.from_engine(engine, docs, ids, params, min_capacity)
+    """Embed `docs` through an `EngineClient` (one request each, batched by its engine) and
+    index them (a synchronous `Engine`: `VectorIndex.from_engine`). A bad document raises
+    ValueError naming it."""
     docs = _check_docs(docs)
 
     async def one(i: int, doc: str) -> np.ndarray:
         try:
-            return (await engine.embed(doc, params)).embedding
+            return (await front.embed(doc, params)).embedding
         except ValueError as e:
             raise ValueError(f"document {i}: {e}") from e
 
