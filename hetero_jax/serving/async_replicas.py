@@ -103,8 +103,8 @@ class ReplicaCore:
 
     def _collect(self) -> None:
         while not self._stopping:
-            if not self._flights:
-                self._wake.wait(POLL_S)
+            if not self._flights:  # idle until a request (or `stop`) sets it
+                self._wake.wait()
                 self._wake.clear()
                 continue
             events, finished = [], self.replicas.collect(POLL_S)
