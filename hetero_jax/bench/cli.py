@@ -64,7 +64,8 @@ class Contender:
             batching=batching, feather=feather,
             cascade_rows=engine_config.cascade_rows if cascade else 0), cfg.seed)
         self.token_budget = engine_config.token_budget
-        self.tokenizer = getattr(self.engine, "tokenizer", None) or _tokenizer(cfg.model)
+        self.dedicated = scheduler == "dedicated"  # a DedicatedEngine: two worker processes
+        self.tokenizer = _tokenizer(cfg.model) if self.dedicated else self.engine.tokenizer
         self.batch_sizes = None  # dedicated: the generation worker's batch sizes, last run
 
     def serve(self, items: list, clients: int, on_done=None, index=None,
@@ -73,13 +74,13 @@ class Contender:
         the prompts of the warm-up or of an earlier repeat of the same items); returns the
         summary row."""
         self.engine.reset_prefix_cache()
-        if hasattr(self.engine, "count_compiles"):  # a shared cache: share_compiled_steps
+        if not self.dedicated:  # a shared cache: share_compiled_steps
             self.engine.count_compiles()
         before = counters(self.engine)
         records = asyncio.run(self._loop(items, clients, on_done, index, iterations))
         after = counters(self.engine)
         row = summarize(records, counters_delta(before, after), self.token_budget)
-        batching = getattr(getattr(self.engine, "stats", None), "batching", None)
+        batching = None if self.dedicated else self.engine.stats.batching
         if batching and batching["batching"] != "fcfs":
             row["batching"] = dict(batching)  # the bandit's arm, its mean reward
         if self.batch_sizes:
@@ -92,19 +93,19 @@ class Contender:
             return await closed_loop(front, items, clients, on_done, index, iterations)
         finally:
             await front.close()
-            if self.scheduler == "dedicated":
+            if self.dedicated:
                 self.batch_sizes = front.batch_sizes["generate"]
 
     def front(self):
         from hetero_jax.serving.async_engine import AsyncEngine
         from hetero_jax.serving.async_replicas import AsyncDedicated
 
-        if self.scheduler == "dedicated":
+        if self.dedicated:
             return AsyncDedicated(self.engine, self.tokenizer)
         return AsyncEngine(self.engine)
 
     def close(self) -> None:
-        if hasattr(self.engine, "close"):  # DedicatedEngine: end its worker processes
+        if self.dedicated:  # end its worker processes
             self.engine.close()
 
 
