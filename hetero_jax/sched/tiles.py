@@ -1,11 +1,20 @@
 """Cascade attention's host-side plan: which decode sequences share which pages (no jax).
 
-In: the page tables and KV lengths of a decode-only step's sequences. Out: tiles of at most M
-sequences sharing leading pages and, per sequence, where its own pages start, or None when the
-tiles would save too few page reads. The engine's runner (`runner/batch.py`) lays the plan out
-for `ops.cascade`; the simulator (`sim/kvreads.py`) counts the page reads it saves.
+In: the page tables and KV lengths of a decode-only step's sequences and the engine's cascade
+knobs (`CascadeSettings`). Out: tiles of at most M sequences sharing leading pages and, per
+sequence, where its own pages start, or None when the tiles would save too few page reads.
+The scheduler plans each step it forms (`CascadeSettings.plan`, into
+`SchedulerOutput.cascade`), the runner (`runner/batch.py`) lays that plan out for
+`ops.cascade`, and the cost models (`costmodel.py`, the simulator's and the cost-aware IBS's)
+count the page reads it saves (`kv_pages_saved`). Without cascade every sequence reads every
+page of its context; with it each tile reads its shared pages once.
 """
 from __future__ import annotations
+
+import dataclasses
+
+from hetero_jax.sched.output import DECODE
+from hetero_jax.sched.shapes import default_seq_buckets, pad_to_bucket
 
 
 def _common_pages(tables: list) -> int:
@@ -49,3 +58,47 @@ def plan_tiles(page_tables: list, kv_lens: list, page_size: int, num_tiles: int,
         for j in members:
             offsets[j] = n
     return tiles, offsets
+
+
+@dataclasses.dataclass(frozen=True)
+class CascadeSettings:
+    """The engine's cascade knobs (`EngineConfig.cascade_rows`, `cascade_min_pages`) and the
+    sequence buckets that set the tile count G = S // M of a step with S sequence slots
+    (`seq_buckets`; None: the default buckets of `max_num_seqs`)."""
+
+    rows: int = 8  # M; 0 turns cascade off
+    min_saved_pages: int = 16
+    max_num_seqs: int = 32
+    seq_buckets: tuple | None = None
+
+    def tiles(self, num_seqs: int) -> tuple:
+        """(G, M) for a step of `num_seqs` decode sequences (S: its sequence bucket)."""
+        s = pad_to_bucket(num_seqs, self.seq_buckets or default_seq_buckets(self.max_num_seqs))
+        rows = min(self.rows, s)
+        return s // rows, rows
+
+    def plan(self, items: list, page_size: int) -> tuple | None:
+        """`plan_tiles` for a step of `items` (`ScheduledItem`s), or None (plain attention):
+        only decode-only steps of at least two sequences are planned."""
+        if not self.rows or len(items) < 2 or any(it.kind != DECODE for it in items):
+            return None
+        return plan_tiles([it.pages for it in items], [it.start + 1 for it in items], page_size,
+                          *self.tiles(len(items)), self.min_saved_pages)
+
+
+def plan_savings(page_tables: list, kv_lens: list, page_size: int, num_tiles: int, rows: int,
+                 min_saved_pages: int) -> int:
+    """Page reads the cascade tiles of `plan_tiles` save ((members - 1) x shared pages, summed
+    over the kept tiles), or 0 when the engine would run plain attention."""
+    return saved_pages(plan_tiles(page_tables, kv_lens, page_size, num_tiles, rows,
+                                  min_saved_pages))
+
+
+def kv_pages_saved(items: list, page_size: int, cascade: CascadeSettings | None) -> int:
+    """Page reads a step of `items` (`ScheduledItem`s) saves under cascade attention."""
+    return 0 if cascade is None else saved_pages(cascade.plan(items, page_size))
+
+
+def saved_pages(plan: tuple | None) -> int:
+    """Page reads a plan's tiles save: (members - 1) x shared pages, summed (0 for None)."""
+    return 0 if plan is None else sum((len(m) - 1) * n for m, n in plan[0])
