@@ -218,8 +218,8 @@ class SimResult:
                 "latency_p50_s": percentile(lat, 50), "latency_p99_s": percentile(lat, 99),
                 "ttft_p50_s": percentile(first, 50), "ttft_p99_s": percentile(first, 99)}
         page = sim.cfg.scheduler.page_size
-        query = page * sum(r.sched.pages.query_pages for r in sim.replicas)
-        hit = page * sum(r.sched.pages.hit_pages for r in sim.replicas)
+        query = page * sum(r.sched.cache_stats().query_pages for r in sim.replicas)
+        hit = page * sum(r.sched.cache_stats().hit_pages for r in sim.replicas)
         return cls(end, tot.steps, tot.fill / max(tot.steps, 1),
                    tot.embed_tokens / max(tot.tokens, 1), tot.busy_s, tot.preemptions, per_type,
                    tot.tokens, query, hit, hit / query if query else None,
