@@ -17,14 +17,11 @@ from hetero_jax.sched.output import DECODE
 from hetero_jax.sched.shapes import default_seq_buckets, pad_to_bucket
 
 
-def _common_pages(tables: list) -> int:
-    """Length of the longest common prefix of page lists."""
-    n = min(len(t) for t in tables)
-    first = tables[0]
-    for i in range(n):
-        if any(t[i] != first[i] for t in tables[1:]):
-            return i
-    return n
+def _common_pages(first: tuple, last: tuple) -> int:
+    """Length of the common prefix of two page lists: the first and last of a sorted run,
+    whose common prefix every list between them shares."""
+    n = min(len(first), len(last))
+    return next((i for i in range(n) if first[i] != last[i]), n)
 
 
 def plan_tiles(page_tables: list, kv_lens: list, page_size: int, num_tiles: int, rows: int,
@@ -38,7 +35,7 @@ def plan_tiles(page_tables: list, kv_lens: list, page_size: int, num_tiles: int,
     Returns ([(members, shared_pages)], rest_offsets [Sd]) or None when the kept tiles save
     fewer than `min_saved_pages` page reads.
     """
-    full = [[int(p) for p in t[:(n - 1) // page_size]] for t, n in zip(page_tables, kv_lens)]
+    full = [tuple(t[:(n - 1) // page_size]) for t, n in zip(page_tables, kv_lens)]
     order = sorted((i for i in range(len(full)) if full[i]), key=lambda i: full[i])
     runs, i = [], 0
     while i < len(order):
@@ -48,7 +45,7 @@ def plan_tiles(page_tables: list, kv_lens: list, page_size: int, num_tiles: int,
             run.append(order[i + len(run)])
         i += len(run)
         if len(run) > 1:
-            runs.append((run, _common_pages([full[j] for j in run])))
+            runs.append((run, _common_pages(full[run[0]], full[run[-1]])))
     runs.sort(key=lambda r: (len(r[0]) - 1) * r[1], reverse=True)
     tiles = runs[:num_tiles]
     if sum((len(m) - 1) * n for m, n in tiles) < min_saved_pages:
