@@ -138,3 +138,9 @@ def test_the_engine_imports_no_simulator():
             "assert not sim, sim")
     subprocess.run([sys.executable, "-c", code], check=True)
 
+
+
+def test_bench_plan_times_planning_on_steps_it_plans():
+    from tests.script_loader import load_script
+    (row,) = load_script("bench_plan").main(["--seqs", "16", "--steps", "20"])
+    assert row["planned"] == 20 and row["plan_us"] > 0 and row["schedule_update_us"] > 0
