@@ -197,7 +197,8 @@ class EngineConfig:
                        self.chunk_seq_buckets)
 
     def cascade_settings(self) -> CascadeSettings:
-        """The cascade knobs with this config's sequence buckets (None before resolve())."""
+        """The cascade knobs with this config's sequence buckets (unresolved and unset: the
+        default buckets of max_num_seqs, as resolve() would fill them)."""
         return CascadeSettings(self.cascade_rows, self.cascade_min_pages, self.max_num_seqs,
                                self.seq_buckets)
 

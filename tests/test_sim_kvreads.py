@@ -12,7 +12,7 @@ from hetero_jax.sched import BATCHING, DECODE, PREFILL, ScheduledItem, Scheduler
 from hetero_jax.sched.output import SchedulerOutput
 from hetero_jax.sim import load_cost_model
 from hetero_jax.sched.costmodel import StepShape
-from hetero_jax.sched.tiles import CascadeSettings, kv_pages_saved, plan_savings
+from hetero_jax.sched.tiles import CascadeSettings, kv_pages_saved
 from hetero_jax.sim.simulate import SimConfig, simulate
 from hetero_jax.sim.workload import LengthDist, WorkloadConfig
 

@@ -48,7 +48,7 @@ def plan_tiles(page_tables: list, kv_lens: list, page_size: int, num_tiles: int,
             runs.append((run, _common_pages(full[run[0]], full[run[-1]])))
     runs.sort(key=lambda r: (len(r[0]) - 1) * r[1], reverse=True)
     tiles = runs[:num_tiles]
-    if sum((len(m) - 1) * n for m, n in tiles) < min_saved_pages:
+    if saved_pages(tiles) < min_saved_pages:
         return None
     offsets = [0] * len(full)
     for members, n in tiles:
@@ -83,19 +83,12 @@ class CascadeSettings:
                           *self.tiles(len(items)), self.min_saved_pages)
 
 
-def plan_savings(page_tables: list, kv_lens: list, page_size: int, num_tiles: int, rows: int,
-                 min_saved_pages: int) -> int:
-    """Page reads the cascade tiles of `plan_tiles` save ((members - 1) x shared pages, summed
-    over the kept tiles), or 0 when the engine would run plain attention."""
-    return saved_pages(plan_tiles(page_tables, kv_lens, page_size, num_tiles, rows,
-                                  min_saved_pages))
-
-
 def kv_pages_saved(items: list, page_size: int, cascade: CascadeSettings | None) -> int:
     """Page reads a step of `items` (`ScheduledItem`s) saves under cascade attention."""
-    return 0 if cascade is None else saved_pages(cascade.plan(items, page_size))
+    plan = None if cascade is None else cascade.plan(items, page_size)
+    return 0 if plan is None else saved_pages(plan[0])
 
 
-def saved_pages(plan: tuple | None) -> int:
-    """Page reads a plan's tiles save: (members - 1) x shared pages, summed (0 for None)."""
-    return 0 if plan is None else sum((len(m) - 1) * n for m, n in plan[0])
+def saved_pages(tiles: list) -> int:
+    """Page reads `tiles` ([(members, shared_pages)]) save: (members - 1) x shared pages."""
+    return sum((len(m) - 1) * n for m, n in tiles)
