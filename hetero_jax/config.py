@@ -1,27 +1,25 @@
-"""Engine configuration (static, hashable) and the one bucketing helper.
+"""Engine configuration (static, hashable): the knobs, checked, and what is derived from them.
 
 Every jitted step sees shapes from the bucket lists here: total tokens T, sequences S,
-multi-token sequences Sc, and pages per sequence. `variants()` enumerates every reachable
-combination, so `Engine.warmup()` can compile every one up front.
+multi-token sequences Sc, and pages per sequence, padded by the one step-shape rule
+(`sched/shapes.py`). `variants()` enumerates every reachable combination, so
+`Engine.warmup()` can compile every one up front. `scheduler_config()` is the host
+scheduler's share of a resolved config, built in one place.
 """
 from __future__ import annotations
 
 import dataclasses
-import itertools
 from collections.abc import Callable
 
 from hetero_jax.requests import INT32_MAX, require_bool, require_int, require_real
 from hetero_jax.sched.batching import FeatherConfig, check_batching
+from hetero_jax.sched.costmodel import engine_step_cost
+from hetero_jax.sched.scheduler import SchedulerConfig
+from hetero_jax.sched.shapes import Buckets, default_seq_buckets, powers_of_two
+from hetero_jax.sched.tiles import CascadeSettings
 
 _DTYPES = ("auto", "float32", "bfloat16")
-
-
-def pad_to_bucket(n: int, buckets: tuple) -> int:
-    """Smallest bucket >= n."""
-    for b in buckets:
-        if b >= n:
-            return b
-    raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
+_ITEMSIZE = {"float32": 4, "bfloat16": 2}  # bytes per weight and KV element of each dtype
 
 
 def size_relation(token_budget: int, chunk_size: int, max_num_seqs: int,
@@ -34,15 +32,6 @@ def size_relation(token_budget: int, chunk_size: int, max_num_seqs: int,
         return "max_chunk_seqs", (f"max_chunk_seqs={max_chunk_seqs} exceeds "
                                   f"max_num_seqs={max_num_seqs}")
     return None
-
-
-def _powers_of_two(lo: int, hi: int, factor: int = 2) -> tuple:
-    """lo, lo * factor, ... below hi, then hi."""
-    out, b = [], lo
-    while b < hi:
-        out.append(b)
-        b *= factor
-    return tuple(out) + (hi,)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -185,14 +174,13 @@ class EngineConfig:
         if num_pages <= pages_per_seq:
             raise ValueError(f"num_pages={num_pages} must exceed the {pages_per_seq} pages "
                              f"of one max_model_len={max_len} sequence (page 0 is scratch)")
-        tokens = self.token_buckets or _powers_of_two(min(16, self.token_budget), self.token_budget)
+        tokens = self.token_buckets or powers_of_two(min(16, self.token_budget), self.token_budget)
         cfg = dataclasses.replace(
             self, max_model_len=max_len, num_pages=num_pages,
             token_buckets=tuple(sorted(tokens)),
-            seq_buckets=tuple(sorted(self.seq_buckets or _powers_of_two(
-                min(8, self.max_num_seqs), self.max_num_seqs))),
+            seq_buckets=tuple(sorted(self.seq_buckets or default_seq_buckets(self.max_num_seqs))),
             page_buckets=tuple(sorted(self.page_buckets or (
-                (pages_per_seq,) if self.attention_impl == "pallas" else _powers_of_two(
+                (pages_per_seq,) if self.attention_impl == "pallas" else powers_of_two(
                     min(8, pages_per_seq), pages_per_seq, factor=4)))),
             chunk_seq_buckets=tuple(sorted(self.chunk_seq_buckets or {0, self.max_chunk_seqs})))
         for name, need in (("token_buckets", self.token_budget), ("seq_buckets", self.max_num_seqs),
@@ -202,40 +190,49 @@ class EngineConfig:
                 raise ValueError(f"{name}={getattr(cfg, name)} must reach {need}")
         return cfg
 
+    def buckets(self) -> Buckets:
+        """The bucket lists of a resolved config, for the step-shape rule (`sched/shapes.py`)."""
+        assert self.token_buckets is not None, "buckets() of an unresolved config: resolve() it"
+        return Buckets(self.token_buckets, self.seq_buckets, self.page_buckets,
+                       self.chunk_seq_buckets)
+
+    def cascade_settings(self) -> CascadeSettings:
+        """The cascade knobs with this config's sequence buckets (unresolved and unset: the
+        default buckets of max_num_seqs, as resolve() would fill them)."""
+        return CascadeSettings(self.cascade_rows, self.cascade_min_pages, self.max_num_seqs,
+                               self.seq_buckets)
+
     def cascade_tiles(self, s: int) -> tuple:
         """(tiles G, rows M) of a cascade step with S sequence slots."""
-        rows = min(self.cascade_rows, s)
-        return s // rows, rows
+        return self.cascade_settings().tiles(s)
 
     def variants(self) -> list:
-        """Every reachable (T, S, Sc, pages_per_seq, second_pages), and no other: a step holds
-        d decode tokens and c chunks (0 <= c <= max_chunk_seqs, d + c <= max_num_seqs) of
-        1..chunk_size tokens each, at most token_budget in all. `second_pages` is the chunk
-        group's (the first Sc sequences') page bucket in a step with chunks: the smallest page
-        bucket when all of them fit it (below pages_per_seq only with decodes past them), else
-        pages_per_seq; two choices, not every bucket below (+28 variants for the defaults,
-        where every bucket would add 42). In a decode-only step (Sc = 0) it is the cascade
-        tiles' shared pages (0: plain attention; > 0 only for at least two sequences, whose
-        pages_per_seq then counts the pages after the shared ones)."""
-        steps = set()  # (T, S, Sc, whether decodes may run past the chunk group)
-        for c in range(min(self.max_chunk_seqs, self.max_num_seqs) + 1):
-            sc = pad_to_bucket(c, self.chunk_seq_buckets)
-            for d in range(0 if c else 1, self.max_num_seqs - c + 1):
-                lo, hi = d + c, min(self.token_budget, d + c * self.chunk_size)
-                if lo > hi:
-                    continue
-                s = pad_to_bucket(d + c, self.seq_buckets)
-                # the chunk group is the first Sc sequences: beside it, decodes past them
-                steps.update((t, s, min(sc, s), c > 0 and c + d > min(sc, s))
-                             for t in self.token_buckets
-                             if pad_to_bucket(lo, self.token_buckets) <= t
-                             <= pad_to_bucket(hi, self.token_buckets))
-        low = self.page_buckets[0]
-        out = {(t, s, sc, p, 0 if sc == 0 else pc) for t, s, sc, beside in steps
-               for p in self.page_buckets for pc in {p, low if beside else p}}
-        if self.cascade_rows:
-            decode_only = {(pad_to_bucket(n, self.token_buckets), pad_to_bucket(n, self.seq_buckets))
-                           for n in range(2, min(self.max_num_seqs, self.token_budget) + 1)}
-            out.update((t, s, 0, p, ps) for t, s in decode_only
-                       for p, ps in itertools.product(self.page_buckets, self.page_buckets))
-        return sorted(out)
+        """Every reachable (T, S, Sc, pages_per_seq, second_pages), and no other
+        (`sched.shapes.Buckets.variants`; the chunk group's own page bucket adds 28 variants
+        for the defaults, where every bucket below pages_per_seq would add 42)."""
+        return self.buckets().variants(self.token_budget, self.chunk_size, self.max_num_seqs,
+                                       self.max_chunk_seqs, self.cascade_rows > 0)
+
+    def scheduler_config(self, model_cfg=None, encoder_max_seqs: int = 0) -> SchedulerConfig:
+        """The host scheduler's settings of a resolved config: its sizes, policies, cascade
+        planning and, with `cost_model`, the step cost of `model_cfg` (a `ModelConfig`, for
+        "roofline:<hardware>"; then `dtype` must be concrete, `dtype_on`). `encoder_max_seqs`
+        > 0: a separate encoder's rows per step."""
+        assert self.num_pages is not None, "scheduler_config() of an unresolved config"
+        cascade, step_cost = self.cascade_settings(), None
+        if self.cost_model is not None:
+            assert self.dtype in _ITEMSIZE, f"{self.dtype=}: the cost model needs it concrete"
+            step_cost = engine_step_cost(self.cost_model, model_cfg, _ITEMSIZE[self.dtype],
+                                         self.page_size, cascade)
+        return SchedulerConfig(
+            token_budget=self.token_budget, chunk_size=self.chunk_size,
+            max_num_seqs=self.max_num_seqs, max_chunk_seqs=self.max_chunk_seqs,
+            page_size=self.page_size, num_pages=self.num_pages, max_model_len=self.max_model_len,
+            policy=self.scheduler, encoder_max_seqs=encoder_max_seqs,
+            prefix_caching=self.prefix_caching, batching=self.batching, feather=self.feather,
+            cascade=cascade if self.cascade_rows else None, step_cost=step_cost)
+
+
+def config_or_default(config: EngineConfig | None) -> EngineConfig:
+    """`config`, or `EngineConfig()` when None: the one place a missing config is defaulted."""
+    return EngineConfig() if config is None else config

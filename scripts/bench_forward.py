@@ -25,7 +25,8 @@ import jax
 import jax.numpy as jnp
 
 from hetero_jax import Engine, EngineConfig
-from hetero_jax.sched import DECODE, EMBED, PREFILL, EmbedKnobs, GenKnobs, ScheduledItem
+from hetero_jax.sched import (DECODE, EMBED, PREFILL, EmbedKnobs, GenKnobs, ScheduledItem,
+                              SchedulerOutput)
 
 
 def median_time(fn, repeats: int) -> float:
@@ -88,13 +89,14 @@ def mixed_vs_parts(preset: str, spec: str, context: int, repeats: int,
         max_model_len=max(2048, context + 16), dtype=dtype))
     embeds = fake_items(engine, [(0, length)] * chunks, EMBED)
     decs = fake_items(engine, [(context, 1)] * decodes, DECODE, first_id=20_000)
-    cases = {"mixed": embeds + decs, "embed-only": embeds, "decode-only": decs}
+    cases = {name: SchedulerOutput(items, []) for name, items in (
+        ("mixed", embeds + decs), ("embed-only", embeds), ("decode-only", decs))}
     times = {name: [] for name in cases}
-    for name, items in cases.items():  # compile, and one run each before timing
-        engine.runner.execute(items)
+    for name, step in cases.items():  # compile, and one run each before timing
+        engine.runner.execute(step)
     for _ in range(repeats):
-        for name, items in cases.items():
-            times[name].append(engine.runner.execute(items).step_time)
+        for name, step in cases.items():
+            times[name].append(engine.runner.execute(step).step_time)
     out = {name: statistics.median(t) for name, t in times.items()}
     out["extra_over_decode"] = (out["mixed"] - out["embed-only"]) / out["decode-only"]
     return dict(spec=spec, context=context, **out)
@@ -134,7 +136,7 @@ def main(argv=None):
     for name, lengths, kind in cases:
         items = fake_items(engine, lengths, kind)
         num_tokens = sum(it.num_tokens for it in items)
-        t = median_time(lambda: engine.runner.execute(items), args.repeats)
+        t = median_time(lambda: engine.runner.execute(SchedulerOutput(items, [])), args.repeats)
         flops, bytes_ = step_cost(engine.model_cfg, num_tokens,
                                   [it.start + it.num_tokens for it in items], dtype.itemsize)
         floor = max(flops / flops_peak, bytes_ / bw)

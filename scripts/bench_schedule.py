@@ -67,9 +67,9 @@ def bench(policy: str, caching: bool, args) -> dict:
             t_update.append(t2 - t1)
             tokens += out.num_tokens
     us = lambda xs, q: 1e6 * percentile(xs, q)  # noqa: E731
-    pool = sched.pages
+    cache = sched.cache_stats()
     return {"policy": policy, "prefix_caching": "on" if caching else "off",
-            "hit_rate": pool.hit_pages / max(pool.query_pages, 1), "queued": args.queued,
+            "hit_rate": cache.hit_pages / max(cache.query_pages, 1), "queued": args.queued,
             "running": len(sched.running),
             "steps": len(t_sched), "scheduled_tokens": tokens,
             "schedule_mean_us": 1e6 * statistics.fmean(t_sched), "schedule_p50_us": us(t_sched, 50),

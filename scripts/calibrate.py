@@ -30,7 +30,7 @@ import scipy.optimize
 
 from hetero_jax import EmbedRequest, Engine, EngineConfig, GenerateRequest, SamplingParams
 from hetero_jax.sched import SchedulerOutput
-from hetero_jax.sim.costmodel import LinearCostModel, StepShape
+from hetero_jax.sched.costmodel import LinearCostModel, StepShape
 from hetero_jax.sim.report import percentile
 
 FIT_FEATURES = ("tokens", "decode_tokens", "context_tokens", "attn_pairs", "sampled")
@@ -46,12 +46,11 @@ def record_steps(engine: Engine, samples: list) -> None:
     """Wrap the engine's runner so each step that did not compile appends a Sample."""
     execute = engine.runner.execute
 
-    def timed(items):
+    def timed(out: SchedulerOutput):
         compiles = engine.runner.compiles
-        runner_out = execute(items)
+        runner_out = execute(out)
         if engine.runner.compiles == compiles:
-            samples.append(Sample(StepShape.from_output(SchedulerOutput(items, [])),
-                                  runner_out.step_time))
+            samples.append(Sample(StepShape.from_output(out), runner_out.step_time))
         return runner_out
 
     engine.runner.execute = timed

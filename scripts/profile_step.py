@@ -73,18 +73,18 @@ def main(argv=None):
     from bench_forward import fake_items
 
     from hetero_jax import Engine, EngineConfig
-    from hetero_jax.sched import DECODE
+    from hetero_jax.sched import DECODE, SchedulerOutput
 
     engine = Engine.from_preset(args.preset, config=EngineConfig(
         max_num_seqs=max(32, args.batch), max_model_len=max(2048, args.context + 1)))
-    items = fake_items(engine, [(args.context, 1)] * args.batch, DECODE)
+    step = SchedulerOutput(fake_items(engine, [(args.context, 1)] * args.batch, DECODE), [])
     for _ in range(3):  # compile, settle
-        engine.runner.execute(items)
+        engine.runner.execute(step)
     _, executable = engine.runner.executable.held()[-1]  # the step just run
     kinds = fusion_kinds(executable.as_text())
     with tempfile.TemporaryDirectory() as trace_dir:
         with jax.profiler.trace(trace_dir):
-            walls = [engine.runner.execute(items).step_time for _ in range(args.repeats)]
+            walls = [engine.runner.execute(step).step_time for _ in range(args.repeats)]
         times = kernel_times(trace_dir)
     per_kind: collections.Counter = collections.Counter()
     for name, ns in times.items():

@@ -76,7 +76,7 @@ async def soak(engine, args) -> dict:
 def report(engine, done: int, wall: float, counts: dict) -> dict:
     s = engine.scheduler
     row = dict(requests=done, wall_s=round(wall, 1), rss_mb=round(rss_mb(), 1),
-               compiles=engine.stats.compiles, free_pages=s.pages.num_free,
+               compiles=engine.stats.compiles, free_pages=s.cache_stats().free_pages,
                free_slots=s.slots.num_free, **counts)
     print(" ".join(f"{k}={v}" for k, v in row.items()), flush=True)
     return row
@@ -99,7 +99,7 @@ def main(argv=None) -> dict:
     result = asyncio.run(soak(engine, args))
     s = engine.scheduler
     assert not s.requests and not engine.has_work(), "requests left in the engine"
-    assert s.pages.num_free == s.cfg.num_pages - 1, "KV pages leaked"
+    assert s.cache_stats().free_pages == s.cfg.num_pages - 1, "KV pages leaked"
     assert s.slots.num_free == s.cfg.max_num_seqs, "pooler slots leaked"
     assert engine.stats.compiles == compiled, "a step compiled after the warm-up"
     rss = [r["rss_mb"] for r in result["rows"]]

@@ -55,7 +55,7 @@ def test_bad_request_fails_only_its_coroutine(engine):
 
 
 def test_cancel_aborts_and_frees_pages(engine):
-    free = engine.scheduler.pages.num_free
+    free = engine.scheduler.cache_stats().free_pages
 
     async def main():
         aengine = AsyncEngine(engine)
@@ -70,4 +70,4 @@ def test_cancel_aborts_and_frees_pages(engine):
         return other
 
     assert len(asyncio.run(main()).token_ids) == 12
-    assert engine.scheduler.pages.num_free == free and not engine.has_work()
+    assert engine.scheduler.cache_stats().free_pages == free and not engine.has_work()

@@ -55,8 +55,8 @@ def test_chunks_beside_long_decodes_attend_over_their_own_pages(monkeypatch):
 
     keys, pack = [], decoder.pack_batch
 
-    def recording(items, cfg):
-        key, batch = pack(items, cfg)
+    def recording(items, cfg, plan=None):
+        key, batch = pack(items, cfg, plan)
         keys.append(key)
         return key, batch
 

@@ -145,7 +145,7 @@ def test_salts_isolate_and_reset_empties_the_cache_while_requests_run():
     assert again.metrics["cached_tokens"] == 32 and again.token_ids == first.token_ids
     after = engine.run([GenerateRequest(PREFIX, params)], use_tqdm=False)[0]
     assert after.metrics["cached_tokens"] == 0 and after.token_ids == first.token_ids
-    assert engine.scheduler.pages.num_free == engine.config.num_pages - 1
+    assert engine.scheduler.cache_stats().free_pages == engine.config.num_pages - 1
     with pytest.raises(ValueError, match="cache_salt=5 must be a string or None, not int"):
         SamplingParams(cache_salt=5)
     with pytest.raises(ValueError, match="cache_salt=b'x' must be a string"):

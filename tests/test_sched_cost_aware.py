@@ -5,7 +5,7 @@ import pytest
 from hetero_jax.sched import (DECODE, EMBED, GENERATE, PREFILL, ScheduledItem, Scheduler,
                               SchedulerOutput)
 from hetero_jax.sched.policies import CostAwareIbsPolicy, cheaper_split, make_policy
-from hetero_jax.sim.costmodel import LinearCostModel, StepCost, StepShape
+from hetero_jax.sched.costmodel import LinearCostModel, StepCost, StepShape
 from tests.sched_fakes import config, drive, emb, fake_runner, gen
 
 # A CPU-like step: 40 ms a step, 1.3 ms a padded token, sampled rows and attention pairs.

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hetero_jax.sched import DECODE, EMBED, GENERATE, KIND_ORDER, POLICIES, Scheduler, Status
-from hetero_jax.sim.costmodel import LinearCostModel, StepCost
+from hetero_jax.sched.costmodel import LinearCostModel, StepCost
 from tests.sched_fakes import config, drive, emb, expected_tokens, gen
 
 MAX_MODEL_LEN = 96

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from hetero_jax.sched import SchedulerConfig
 from hetero_jax.sim.bound import bound_row, bound_table, group_work, main, parse_ratios
 from hetero_jax.sim.cli import sim_main
-from hetero_jax.sim.costmodel import FEATURES, LinearCostModel, StepCost, load_cost_model
+from hetero_jax.sched.costmodel import FEATURES, LinearCostModel, StepCost, load_cost_model
 from hetero_jax.sim.simulate import SimConfig, simulate
 from hetero_jax.sim.workload import RequestSpec, ratio_workload, request_specs
 

@@ -11,8 +11,8 @@ import pytest
 from hetero_jax.sched import BATCHING, DECODE, PREFILL, ScheduledItem, SchedulerConfig
 from hetero_jax.sched.output import SchedulerOutput
 from hetero_jax.sim import load_cost_model
-from hetero_jax.sim.costmodel import StepShape
-from hetero_jax.sim.kvreads import CascadeSettings, kv_pages_saved, plan_savings
+from hetero_jax.sched.costmodel import StepShape
+from hetero_jax.sched.tiles import CascadeSettings, kv_pages_saved
 from hetero_jax.sim.simulate import SimConfig, simulate
 from hetero_jax.sim.workload import LengthDist, WorkloadConfig
 
@@ -70,7 +70,7 @@ def test_every_batching_policy_completes_the_simulated_run(batching):
 
 
 def test_the_simulator_and_the_batching_policies_import_no_jax():
-    code = ("import sys; import hetero_jax.sim.simulate, hetero_jax.sim.kvreads, "
+    code = ("import sys; import hetero_jax.sim.simulate, hetero_jax.sched.tiles, "
             "hetero_jax.sched.batching, hetero_jax.sched.cht; "
             "assert not [m for m in sys.modules if m.split('.')[0] in ('jax', 'jaxlib')]")
     subprocess.run([sys.executable, "-c", code], check=True)

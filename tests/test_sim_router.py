@@ -6,7 +6,7 @@ import pytest
 from hetero_jax.sched import SchedulerConfig
 from hetero_jax.sched.router import RouterConfig
 from hetero_jax.sim.cli import sim_main
-from hetero_jax.sim.costmodel import load_cost_model
+from hetero_jax.sched.costmodel import load_cost_model
 from hetero_jax.sim.simulate import SimConfig, simulate
 from hetero_jax.sim.workload import LengthDist, WorkloadConfig
 

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hetero_jax.config import pad_to_bucket
+from hetero_jax.sched.shapes import pad_to_bucket
 from hetero_jax.requests import PoolingParams
 from hetero_jax.runner.executables import ExecutableCache
 from hetero_jax.runner.pooler import l2_normalize

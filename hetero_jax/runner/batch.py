@@ -1,15 +1,17 @@
 """Host -> device: the scheduler's items packed into one bucketed `StepBatch`.
 
 In: the decoder's `ScheduledItem`s of one step (plain data, sorted embedding chunks, prefill
-chunks, decode tokens) and the `EngineConfig` bucket lists. Out: the variant key
-`(T, S, Sc, pages_per_seq, second_pages)` and numpy arrays of exactly those shapes. Padding
+chunks, decode tokens), the scheduler's cascade plan of the step (`SchedulerOutput.cascade`)
+and the `EngineConfig` bucket lists. Out: the variant key `(T, S, Sc, pages_per_seq,
+second_pages)` of the step-shape rule (`sched/shapes.py`) and numpy arrays of exactly those
+shapes. Padding
 tokens write their K/V to the scratch page 0 and pool into the dummy slot; padding sequences
 have kv_len 0. In a step with chunks, second_pages is the chunk group's own page bucket (the
 smallest bucket when every one of the first Sc sequences fits it), so fresh chunks beside long
 decodes attend over their own few keys (the first second_pages columns of `page_indices`). A
-decode-only step whose sequences share enough pages (prefix-cache hits) gets a cascade plan
-(`ops.cascade`): second_pages > 0 is then its tiles' shared page bucket and pages_per_seq
-counts each sequence's pages after the shared ones. `batch_spec` gives the same structure as
+decode-only step whose sequences share enough pages (prefix-cache hits) has a cascade plan
+from the scheduler (`ops.cascade`): second_pages > 0 is then its tiles' shared page bucket and
+pages_per_seq counts each sequence's pages after the shared ones. `batch_spec` gives the same structure as
 shapes, for ahead-of-time lowering.
 """
 from __future__ import annotations
@@ -19,13 +21,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hetero_jax.config import EngineConfig, pad_to_bucket
+from hetero_jax.config import EngineConfig
 from hetero_jax.models import llama
 from hetero_jax.ops.cascade import cascade_arrays, cascade_spec
 from hetero_jax.runner import pooler
 from hetero_jax.runner.sampler import SamplingKnobs
-from hetero_jax.sched import DECODE, EMBED
-from hetero_jax.sched.tiles import plan_tiles
+from hetero_jax.sched import EMBED
+from hetero_jax.sched.shapes import step_key
 
 
 @flax.struct.dataclass
@@ -66,30 +68,10 @@ def batch_spec(cfg: EngineConfig, t: int, s: int, sc: int, p: int, second: int) 
         adapter_ids=i32(t))
 
 
-def _cascade_plan(items: list, cfg: EngineConfig, s: int) -> tuple | None:
-    """`sched.tiles.plan_tiles` for a decode-only step, or None (plain attention)."""
-    if not cfg.cascade_rows or any(it.kind != DECODE for it in items) or len(items) < 2:
-        return None
-    return plan_tiles([it.pages for it in items], [it.start + 1 for it in items], cfg.page_size,
-                      *cfg.cascade_tiles(s), cfg.cascade_min_pages)
-
-
-def variant_of(items: list, cfg: EngineConfig) -> tuple:
-    """The bucket variant (T, S, Sc, pages_per_seq, second_pages) that holds `items`, and the
-    cascade plan (None for plain attention)."""
-    s = pad_to_bucket(len(items), cfg.seq_buckets)
-    t = pad_to_bucket(sum(it.num_tokens for it in items), cfg.token_buckets)
-    pages = [-(-(it.start + it.num_tokens) // cfg.page_size) for it in items]
-    plan = _cascade_plan(items, cfg, s)
-    if plan is not None:
-        rest = max(n - off for n, off in zip(pages, plan[1]))
-        shared = max(n for _, n in plan[0])
-        return (t, s, 0, pad_to_bucket(rest, cfg.page_buckets),
-                pad_to_bucket(shared, cfg.page_buckets)), plan
-    sc = min(pad_to_bucket(sum(it.kind != DECODE for it in items), cfg.chunk_seq_buckets), s)
-    p, low = pad_to_bucket(max(pages), cfg.page_buckets), cfg.page_buckets[0]
-    # the chunk group is the first Sc sequences: the chunks and any decodes padding it out
-    return (t, s, sc, p, (low if max(pages[:sc]) <= low else p) if sc else 0), None
+def variant_of(items: list, cfg: EngineConfig, plan: tuple | None = None) -> tuple:
+    """The bucket variant (T, S, Sc, pages_per_seq, second_pages) that holds `items` under
+    the cascade `plan` (None: plain attention)."""
+    return step_key(items, cfg.buckets(), cfg.page_size, plan)
 
 
 def _pack_sampling(items: list, s: int) -> SamplingKnobs:
@@ -122,9 +104,11 @@ def _pack_pooling(items: list, rows: list, t: int, sc: int, dummy: int,
                             item_length=length, item_hit_pages=hit)
 
 
-def pack_batch(items: list, cfg: EngineConfig) -> tuple[tuple, StepBatch]:
-    """Host arrays for one step and its variant key (T, S, Sc, pages_per_seq, second_pages)."""
-    key, plan = variant_of(items, cfg)
+def pack_batch(items: list, cfg: EngineConfig,
+               plan: tuple | None = None) -> tuple[tuple, StepBatch]:
+    """Host arrays for one step and its variant key (T, S, Sc, pages_per_seq, second_pages);
+    `plan`: the step's cascade plan (`SchedulerOutput.cascade`), None for plain attention."""
+    key = variant_of(items, cfg, plan)
     t, s, sc, p, second = key
     ps, n_tok = cfg.page_size, sum(it.num_tokens for it in items)
     tokens, positions, slots, adapter_ids = (np.zeros(t, np.int32) for _ in range(4))

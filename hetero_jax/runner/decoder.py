@@ -37,7 +37,7 @@ from hetero_jax.runner.batch import StepBatch, batch_spec, is_cascade, pack_batc
 from hetero_jax.runner.executables import ExecutableCache, WarmManifest, enable_compile_cache
 from hetero_jax.runner.packed import PackedLayout
 from hetero_jax.runner.sampler import sample
-from hetero_jax.sched import EMBED, RunnerOutput
+from hetero_jax.sched import EMBED, RunnerOutput, SchedulerOutput
 
 
 @flax.struct.dataclass
@@ -194,11 +194,13 @@ class DecoderRunner:
         fn = jax.jit(self.step_fn(key), donate_argnums=(1,))
         return fn.lower(self.params, self.state, batch_spec(self.cfg, *key)).compile()
 
-    def execute(self, items: list) -> RunnerOutput:
-        """Run one step of `items` (sorted by kind, at least one). Its `step_time` leaves out
-        the seconds spent compiling (or loading) a new variant, which `compile_s` counts."""
+    def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        """Run the decoder's share of one step: `out.items` (sorted by kind, at least one)
+        under the scheduler's cascade plan `out.cascade`. Its `step_time` leaves out the
+        seconds spent compiling (or loading) a new variant, which `compile_s` counts."""
         t0, compile0 = time.perf_counter(), self.compile_s
-        key, batch = pack_batch(items, self.cfg)
+        items = out.items
+        key, batch = pack_batch(items, self.cfg, out.cascade)
         self.state, packed = self.executable(key)(self.params, self.state, batch)
         self.cascade_steps += is_cascade(key)
         layout = self.layout(key)

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hetero_jax.config import pad_to_bucket
+from hetero_jax.sched.shapes import pad_to_bucket
 from hetero_jax.models import bert
 from hetero_jax.models.layers import for_layer_loop, is_unrolled
 from hetero_jax.requests import POOLING_KINDS, STREAMING_KINDS

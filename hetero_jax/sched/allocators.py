@@ -13,13 +13,26 @@ LRU free queue (a request frees its pages last-page-first, so its deepest pages 
 first; pages that hold nothing cached go to the front); `allocate` takes pages from the front
 and forgets a taken page's digest then (an eviction). Pages with a count above 0 are never
 handed out, so a shared page is never written. Counters: `queries`, `query_pages`, `hit_pages`
-(admissions' lookups, `record_query`), `evictions`.
+(admissions' lookups, `record_query`), `evictions`; `stats()` reads them with the free pages.
 """
 from __future__ import annotations
 
 import collections
+import dataclasses
 
 SCRATCH_PAGE = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheStats:
+    """A snapshot of the KV page pool and its prefix cache (`Scheduler.cache_stats()`)."""
+
+    free_pages: int  # pages no request holds (cached ones included: they are evictable)
+    cached_pages: int  # free or held pages that hold a registered prefix
+    queries: int  # admissions that looked their prompt up
+    query_pages: int  # full prompt pages those admissions asked for
+    hit_pages: int  # of which found cached
+    evictions: int  # cached pages handed out again (their digest forgotten)
 
 
 class PagePool:
@@ -95,6 +108,10 @@ class PagePool:
         if self.caching and digest not in self.cached and self.page_hash[page] is None:
             self.cached[digest] = page
             self.page_hash[page] = digest
+
+    def stats(self) -> CacheStats:
+        return CacheStats(self.num_free, self.num_cached, self.queries, self.query_pages,
+                          self.hit_pages, self.evictions)
 
     def reset(self) -> None:
         """Forget every digest. Pages held by running requests stay theirs (still correct),

@@ -17,7 +17,7 @@ answers only these questions, so all policies share that structure:
 Policies: `ibs` (the paper's Algorithm 2), `fcfs` (Unified-Hetero) and `homogeneous`
 (Unified-Homo). `dedicated` is an engine mode (two engines), not a scheduling policy. With a
 step-cost model (`SchedulerConfig.step_cost`: a plain `SchedulerOutput -> seconds` callable,
-such as `sim.costmodel.StepCost`), `ibs` is `CostAwareIbsPolicy`: when the model says the
+such as `sched.costmodel.StepCost`), `ibs` is `CostAwareIbsPolicy`: when the model says the
 step's embedding items and generation items cost less as two steps than as one, one part
 runs now and the other waits for the next step.
 """

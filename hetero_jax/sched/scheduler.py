@@ -2,7 +2,8 @@
 
 Flow: the engine `add`s requests; each step it calls `schedule() -> SchedulerOutput` (plain
 data: the step's decoder items sorted by kind, embedding chunks, then prefill chunks, then
-decode tokens, and a separate encoder's whole inputs), runs the model, and calls
+decode tokens, a separate encoder's whole inputs, and the cascade plan of a decode-only step
+when `cfg.cascade` is set, `tiles.py`), runs the model, and calls
 `update(scheduler_output, runner_output, now)`, which advances the requests, stamps their
 first-output and finish times and returns the ones that finished. Imports no jax.
 
@@ -23,7 +24,8 @@ input (and a pooler slot) when it is admitted, so it never waits for pages once 
 frees both as soon as its last chunk has run. A generation request grows its pages chunk by
 chunk; when they run out, the newest running generation request is preempted (pages freed,
 recomputed later from token 0, put back in the waiting queue in arrival order), possibly the
-requester itself. Nothing is lost.
+requester itself. Nothing is lost. Callers read the pool through `cache_stats()` and clear
+its prefix cache with `reset_prefix_cache()`, never through the pool itself.
 
 With a separate encoder (`encoder_max_seqs > 0`) an embedding request needs no pages or slot:
 it runs whole (a bidirectional encoder cannot be chunked) as one of at most `encoder_max_seqs`
@@ -37,13 +39,14 @@ import collections
 import dataclasses
 import itertools
 
-from hetero_jax.sched.allocators import PagePool, SlotAllocator
+from hetero_jax.sched.allocators import CacheStats, PagePool, SlotAllocator
 from hetero_jax.sched.batching import FeatherConfig, make_batching
 from hetero_jax.sched.output import (DECODE, EMBED, KIND_ORDER, PREFILL, RunnerOutput,
                                      SampledToken, ScheduledItem, SchedulerOutput)
 from hetero_jax.sched.policies import Plan, make_policy
 from hetero_jax.sched.prefix import PrefixCache
 from hetero_jax.sched.request import GENERATE, REQUEST_KINDS, Request, Status
+from hetero_jax.sched.tiles import CascadeSettings
 
 SCHEDULED, SKIPPED, BLOCKED = "scheduled", "skipped", "blocked"  # outcomes of one selection
 
@@ -63,6 +66,7 @@ class SchedulerConfig:
     batching: str = "fcfs"  # fcfs | lpm | feather | feather-bandit: admissions, decodes
     feather: FeatherConfig = FeatherConfig()  # the knobs of feather and feather-bandit
     step_cost: object = None  # ibs: SchedulerOutput -> seconds; splits a step when two cost less
+    cascade: CascadeSettings | None = None  # plan decode-only steps' cascade tiles (None: never)
 
 
 @dataclasses.dataclass
@@ -177,6 +181,14 @@ class Scheduler:
     def num_waiting(self) -> int:
         return sum(len(q) for q in self.waiting.values())
 
+    def cache_stats(self) -> CacheStats:
+        """The KV page pool's free pages and prefix-cache counters, as a snapshot."""
+        return self.pages.stats()
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix; running requests keep their pages (`PagePool.reset`)."""
+        self.pages.reset()
+
     def abort(self, request_id) -> None:
         """Drop a request wherever it is; its pages and pooler slot go back at once."""
         req = self.requests.get(request_id)
@@ -203,6 +215,8 @@ class Scheduler:
             (encoder if e.request.is_embed and self.on_encoder else decoder).append(
                 self._snapshot(e))
         out = self.policy.split(SchedulerOutput(decoder, step.preempted, encoder))
+        if self.cfg.cascade is not None:
+            out.cascade = self.cfg.cascade.plan(out.items, cfg.page_size)
         self._check(out)
         return out
 

@@ -1,21 +1,27 @@
 """Cascade attention's host-side plan: which decode sequences share which pages (no jax).
 
-In: the page tables and KV lengths of a decode-only step's sequences. Out: tiles of at most M
-sequences sharing leading pages and, per sequence, where its own pages start, or None when the
-tiles would save too few page reads. The engine's runner (`runner/batch.py`) lays the plan out
-for `ops.cascade`; the simulator (`sim/kvreads.py`) counts the page reads it saves.
+In: the page tables and KV lengths of a decode-only step's sequences and the engine's cascade
+knobs (`CascadeSettings`). Out: tiles of at most M sequences sharing leading pages and, per
+sequence, where its own pages start, or None when the tiles would save too few page reads.
+The scheduler plans each step it forms (`CascadeSettings.plan`, into
+`SchedulerOutput.cascade`), the runner (`runner/batch.py`) lays that plan out for
+`ops.cascade`, and the cost models (`costmodel.py`, the simulator's and the cost-aware IBS's)
+count the page reads it saves (`kv_pages_saved`). Without cascade every sequence reads every
+page of its context; with it each tile reads its shared pages once.
 """
 from __future__ import annotations
 
+import dataclasses
 
-def _common_pages(tables: list) -> int:
-    """Length of the longest common prefix of page lists."""
-    n = min(len(t) for t in tables)
-    first = tables[0]
-    for i in range(n):
-        if any(t[i] != first[i] for t in tables[1:]):
-            return i
-    return n
+from hetero_jax.sched.output import DECODE
+from hetero_jax.sched.shapes import default_seq_buckets, pad_to_bucket
+
+
+def _common_pages(first: tuple, last: tuple) -> int:
+    """Length of the common prefix of two page lists: the first and last of a sorted run,
+    whose common prefix every list between them shares."""
+    n = min(len(first), len(last))
+    return next((i for i in range(n) if first[i] != last[i]), n)
 
 
 def plan_tiles(page_tables: list, kv_lens: list, page_size: int, num_tiles: int, rows: int,
@@ -29,7 +35,7 @@ def plan_tiles(page_tables: list, kv_lens: list, page_size: int, num_tiles: int,
     Returns ([(members, shared_pages)], rest_offsets [Sd]) or None when the kept tiles save
     fewer than `min_saved_pages` page reads.
     """
-    full = [[int(p) for p in t[:(n - 1) // page_size]] for t, n in zip(page_tables, kv_lens)]
+    full = [tuple(t[:(n - 1) // page_size]) for t, n in zip(page_tables, kv_lens)]
     order = sorted((i for i in range(len(full)) if full[i]), key=lambda i: full[i])
     runs, i = [], 0
     while i < len(order):
@@ -39,13 +45,50 @@ def plan_tiles(page_tables: list, kv_lens: list, page_size: int, num_tiles: int,
             run.append(order[i + len(run)])
         i += len(run)
         if len(run) > 1:
-            runs.append((run, _common_pages([full[j] for j in run])))
+            runs.append((run, _common_pages(full[run[0]], full[run[-1]])))
     runs.sort(key=lambda r: (len(r[0]) - 1) * r[1], reverse=True)
     tiles = runs[:num_tiles]
-    if sum((len(m) - 1) * n for m, n in tiles) < min_saved_pages:
+    if saved_pages(tiles) < min_saved_pages:
         return None
     offsets = [0] * len(full)
     for members, n in tiles:
         for j in members:
             offsets[j] = n
     return tiles, offsets
+
+
+@dataclasses.dataclass(frozen=True)
+class CascadeSettings:
+    """The engine's cascade knobs (`EngineConfig.cascade_rows`, `cascade_min_pages`) and the
+    sequence buckets that set the tile count G = S // M of a step with S sequence slots
+    (`seq_buckets`; None: the default buckets of `max_num_seqs`)."""
+
+    rows: int = 8  # M; 0 turns cascade off
+    min_saved_pages: int = 16
+    max_num_seqs: int = 32
+    seq_buckets: tuple | None = None
+
+    def tiles(self, num_seqs: int) -> tuple:
+        """(G, M) for a step of `num_seqs` decode sequences (S: its sequence bucket)."""
+        s = pad_to_bucket(num_seqs, self.seq_buckets or default_seq_buckets(self.max_num_seqs))
+        rows = min(self.rows, s)
+        return s // rows, rows
+
+    def plan(self, items: list, page_size: int) -> tuple | None:
+        """`plan_tiles` for a step of `items` (`ScheduledItem`s), or None (plain attention):
+        only decode-only steps of at least two sequences are planned."""
+        if not self.rows or len(items) < 2 or any(it.kind != DECODE for it in items):
+            return None
+        return plan_tiles([it.pages for it in items], [it.start + 1 for it in items], page_size,
+                          *self.tiles(len(items)), self.min_saved_pages)
+
+
+def kv_pages_saved(items: list, page_size: int, cascade: CascadeSettings | None) -> int:
+    """Page reads a step of `items` (`ScheduledItem`s) saves under cascade attention."""
+    plan = None if cascade is None else cascade.plan(items, page_size)
+    return 0 if plan is None else saved_pages(plan[0])
+
+
+def saved_pages(tiles: list) -> int:
+    """Page reads `tiles` ([(members, shared_pages)]) save: (members - 1) x shared pages."""
+    return sum((len(m) - 1) * n for m, n in tiles)

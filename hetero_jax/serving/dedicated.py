@@ -26,7 +26,7 @@ import os
 import time
 import weakref
 
-from hetero_jax.config import EngineConfig
+from hetero_jax.config import EngineConfig, config_or_default
 from hetero_jax.models.presets import preset_config
 from hetero_jax.outputs import RequestError
 from hetero_jax.requests import EmbedRequest
@@ -80,7 +80,7 @@ class DedicatedEngine(BatchAPI):
         """`cores`: (embedding core, generation core); None picks the first two allowed
         cores (both share one if only one is allowed). `config.scheduler` is ignored: each
         engine serves one kind of request, in arrival order."""
-        config = config or EngineConfig()
+        config = config_or_default(config)
         self.config = dataclasses.replace(config, scheduler="fcfs")
         if cores is None:
             allowed = sorted(os.sched_getaffinity(0))

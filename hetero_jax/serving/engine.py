@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from hetero_jax.config import EngineConfig
+from hetero_jax.config import EngineConfig, config_or_default
 from hetero_jax.models import llama, lora
 from hetero_jax.models.config import ModelConfig
 from hetero_jax.models.formats.hf_llama import load_params, read_model_config
@@ -41,15 +41,13 @@ from hetero_jax.runner.decoder import DecoderRunner
 from hetero_jax.runner.memory import check_memory
 from hetero_jax.runner.sharding import ShardedDecoderRunner, check_tensor_parallel, \
     restore_targets, unexpand_kv_heads
-from hetero_jax.sched import RunnerOutput, Scheduler, SchedulerConfig
+from hetero_jax.sched import RunnerOutput, Scheduler
 from hetero_jax.sched.hashing import chain_seed
 from hetero_jax.serving import checkpoint
 from hetero_jax.serving.batch_api import BatchAPI
 from hetero_jax.serving.encoder import SeparateEncoder
 from hetero_jax.serving.input_processor import EmbeddingModel, InputProcessor
 from hetero_jax.serving.output_processor import error_output, make_output
-from hetero_jax.sim.costmodel import engine_step_cost
-from hetero_jax.sim.kvreads import CascadeSettings
 
 
 @dataclasses.dataclass
@@ -67,6 +65,7 @@ class Engine(BatchAPI):
         `encoder`, when given, embeds every embedding request instead of the decoder. With
         `config.tensor_parallel=N > 1` the decoder is split over the first N devices
         (`runner.sharding`), checked against the model before any params are placed."""
+        config = config_or_default(config)
         _check_tensor_parallel(model_cfg, config)
         dtype = _dtype(config)
         self.config = c = _resolved(model_cfg, config)  # the sizes checked against memory
@@ -82,15 +81,8 @@ class Engine(BatchAPI):
         if c.max_logprobs > model_cfg.vocab_size:
             raise ValueError(f"max_logprobs={c.max_logprobs} exceeds the vocabulary of "
                              f"{model_cfg.vocab_size} tokens")
-        self.scheduler = Scheduler(SchedulerConfig(  # first: a bad policy name fails here
-            token_budget=c.token_budget, chunk_size=c.chunk_size, max_num_seqs=c.max_num_seqs,
-            max_chunk_seqs=c.max_chunk_seqs, page_size=c.page_size, num_pages=c.num_pages,
-            max_model_len=c.max_model_len, policy=c.scheduler,
-            encoder_max_seqs=encoder.runner.batch_buckets[-1] if encoder else 0,
-            prefix_caching=c.prefix_caching, batching=c.batching, feather=c.feather,
-            step_cost=None if c.cost_model is None else engine_step_cost(
-                c.cost_model, model_cfg, dtype.itemsize, c.page_size,
-                CascadeSettings(c.cascade_rows, c.cascade_min_pages, c.max_num_seqs))))
+        self.scheduler = Scheduler(c.scheduler_config(  # first: a bad policy name fails here
+            model_cfg, encoder.runner.batch_buckets[-1] if encoder else 0))
         if encoder and c.prefix_caching:
             warnings.warn("prefix caching serves generation only here: the separate encoder "
                           "embeds every input whole (a bidirectional encoder has no prefix "
@@ -115,7 +107,7 @@ class Engine(BatchAPI):
                     embed_model: str | None = None) -> "Engine":
         """An embedded model (random weights from `seed`, or a preset shipped trained, with its
         embedding adapter); `embed_model` as in from_pretrained."""
-        shipped = preset_dir(name)
+        shipped, config = preset_dir(name), config_or_default(config)
         if shipped is not None:
             adapter = None if embed_model else os.path.join(shipped, "adapter")
             return cls.from_pretrained(shipped, config, embed_model, adapter)
@@ -124,7 +116,7 @@ class Engine(BatchAPI):
         _resolved(cfg, config)  # sizes against memory, before the weights are made
         dtype = _dtype(config)
         encoder = SeparateEncoder.from_pretrained(embed_model, dtype) if embed_model else None
-        on_host = (config or EngineConfig()).tensor_parallel > 1  # the runner places shards
+        on_host = config.tensor_parallel > 1  # the runner places shards
         return cls(cfg, llama.init_params(cfg, seed, on_host=on_host), ByteTokenizer(), config,
                    encoder)
 
@@ -146,12 +138,12 @@ class Engine(BatchAPI):
         directory) whose adapter embedding tokens use on the shared backbone, in the same pass
         as generation tokens on the base weights; the first one is the default.
         """
+        config = config_or_default(config)
         dtype = _dtype(config)
         model_cfg = read_model_config(path)
         _check_tensor_parallel(model_cfg, config)  # before the weights are read
         _resolved(model_cfg, config)  # and the sizes against memory
-        params = load_params(path, model_cfg, dtype,
-                             on_host=(config or EngineConfig()).tensor_parallel > 1)
+        params = load_params(path, model_cfg, dtype, on_host=config.tensor_parallel > 1)
         encoder = SeparateEncoder.from_pretrained(embed_model, dtype) if embed_model else None
         dirs = {"default": embed_adapter} if isinstance(embed_adapter, str) else embed_adapter
         adapters = {name: load_adapter(d, model_cfg, dtype) for name, d in (dirs or {}).items()}
@@ -170,9 +162,9 @@ class Engine(BatchAPI):
     def load(cls, path: str, config: EngineConfig | None = None) -> "Engine":
         """An engine checkpoint (`save`). With tensor_parallel=N > 1 orbax restores each param
         straight into its shards on the N devices (`runner.sharding.restore_targets`)."""
-        c = config or EngineConfig()
-        targets = functools.partial(restore_targets, n=c.tensor_parallel, dtype=_dtype(
-            c)) if c.tensor_parallel > 1 else None
+        config = config_or_default(config)
+        targets = functools.partial(restore_targets, n=config.tensor_parallel, dtype=_dtype(
+            config)) if config.tensor_parallel > 1 else None
         model_cfg, params, tokenizer = checkpoint.load(path, targets)
         return cls(model_cfg, params, tokenizer, config)
 
@@ -279,7 +271,7 @@ class Engine(BatchAPI):
         """Forget every cached prefix. Safe while requests run: their pages stay theirs, later
         requests just no longer find them (caching resumes with the next page computed)."""
         with self._lock:
-            self.scheduler.pages.reset()
+            self.scheduler.reset_prefix_cache()
 
     def output(self, req):
         """The user-facing output of a finished request handle; a request the engine failed,
@@ -306,7 +298,7 @@ class Engine(BatchAPI):
         if out.encoder_items:
             runner_out = self.encoder.runner.execute(out.encoder_items)
         if out.items:
-            runner_out = runner_out.merge(self.runner.execute(out.items))
+            runner_out = runner_out.merge(self.runner.execute(out))
         return runner_out
 
     def _fail_culprits(self, out, error: Exception) -> list:
@@ -346,9 +338,9 @@ class Engine(BatchAPI):
         s.generated_tokens += len(runner_out.sampled)
         s.step_time_s += runner_out.step_time
         s.preemptions += len(out.preempted)
-        pool, ps = self.scheduler.pages, self.config.page_size
-        s.cache_queries, s.cache_evictions = pool.queries, pool.evictions
-        s.cache_query_tokens, s.cache_hit_tokens = pool.query_pages * ps, pool.hit_pages * ps
+        cache, ps = self.scheduler.cache_stats(), self.config.page_size
+        s.cache_queries, s.cache_evictions = cache.queries, cache.evictions
+        s.cache_query_tokens, s.cache_hit_tokens = cache.query_pages * ps, cache.hit_pages * ps
         s.cascade_steps = self.runner.cascade_steps
         s.batching = self.scheduler.batching.stats()
         self.count_compiles()
@@ -370,11 +362,10 @@ def _as_dtype(x, dtype, keep_placement: bool):
     return x.astype(dtype) if isinstance(x, jax.Array) else np.asarray(x, dtype)
 
 
-def _resolved(model_cfg: ModelConfig, config: EngineConfig | None) -> EngineConfig:
+def _resolved(model_cfg: ModelConfig, config: EngineConfig) -> EngineConfig:
     """The config on this process's backend (dtype and attention impl "auto" made concrete),
     with every None filled from the model and its sizes checked against the memory they imply
     (`runner.memory.check_memory`: a ValueError naming the knob and the bytes)."""
-    config = config or EngineConfig()
     backend = jax.default_backend()
     config = dataclasses.replace(config, dtype=config.dtype_on(backend),
                                  attention_impl=config.impl_on(backend))
@@ -387,18 +378,18 @@ def _resolved(model_cfg: ModelConfig, config: EngineConfig | None) -> EngineConf
     return resolved
 
 
-def _check_tensor_parallel(model_cfg: ModelConfig, config: EngineConfig | None) -> None:
+def _check_tensor_parallel(model_cfg: ModelConfig, config: EngineConfig) -> None:
     """ValueError naming the value when config.tensor_parallel cannot split this model over
     the devices jax sees (nothing to check at 1)."""
-    n = (config or EngineConfig()).tensor_parallel
+    n = config.tensor_parallel
     if n > 1:
         check_tensor_parallel(model_cfg, n, len(jax.devices()))
 
 
-def _dtype(config: EngineConfig | None) -> jnp.dtype:
+def _dtype(config: EngineConfig) -> jnp.dtype:
     """The weights' and KV cache's dtype of `config` on this process's backend ("auto": bf16
     on GPUs, fp32 elsewhere)."""
-    return jnp.dtype((config or EngineConfig()).dtype_on(jax.default_backend()))
+    return jnp.dtype(config.dtype_on(jax.default_backend()))
 
 
 def _cache_identity(model_cfg: ModelConfig, config: EngineConfig) -> bytes:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 
-from hetero_jax.config import EngineConfig
+from hetero_jax.config import EngineConfig, config_or_default
 from hetero_jax.models.presets import PRESETS
 from hetero_jax.sched.router import RouterConfig
 from hetero_jax.serving.dedicated import DedicatedEngine
@@ -21,7 +21,7 @@ def make_engine(preset_or_path: str, config: EngineConfig | None = None, seed: i
     """An engine for a preset name or a Hugging Face directory: a `ReplicaSet` of `replicas`
     engines routed by `router` when `replicas >= 2`, a `DedicatedEngine` when
     `config.scheduler == "dedicated"`, else an `Engine` with that scheduling policy."""
-    config = config or EngineConfig()
+    config = config_or_default(config)
     if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
         raise ValueError(f"replicas={replicas!r} must be an integer >= 1")
     if router is not None and replicas == 1:

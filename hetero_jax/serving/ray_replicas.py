@@ -27,7 +27,7 @@ import os
 import re
 import socket
 
-from hetero_jax.config import EngineConfig
+from hetero_jax.config import EngineConfig, config_or_default
 from hetero_jax.models.presets import preset_config
 from hetero_jax.sched.router import RouterConfig
 from hetero_jax.serving.placement import router_policy
@@ -130,7 +130,7 @@ class RayReplicaSet(RoutedReplicas):
         process already started); `num_gpus`: per replica (None: `config.tensor_parallel`
         when the cluster has GPUs, else none)."""
         ray = self._ray = require_ray()
-        config = config or EngineConfig()
+        config = config_or_default(config)
         if isinstance(num_replicas, bool) or not isinstance(num_replicas, int) or \
                 num_replicas < 1:
             raise ValueError(f"replicas={num_replicas!r} must be an integer >= 1")

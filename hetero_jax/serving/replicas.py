@@ -39,7 +39,7 @@ import queue
 import threading
 import weakref
 
-from hetero_jax.config import EngineConfig
+from hetero_jax.config import EngineConfig, config_or_default
 from hetero_jax.models.presets import preset_config
 from hetero_jax.sched.router import RouterConfig
 from hetero_jax.serving.device_groups import device_groups, visible_gpus
@@ -58,7 +58,7 @@ class ReplicaSet(RoutedReplicas):
         """`router`: "least-tokens", "prefix-affinity" or a `RouterConfig` (default:
         prefix-affinity when `config.prefix_caching`, else least-tokens; its LRU then holds
         each replica's KV pool). `cores`: one per replica (default: the first allowed)."""
-        config = config or EngineConfig()
+        config = config_or_default(config)
         allowed = sorted(os.sched_getaffinity(0))
         if isinstance(num_replicas, bool) or not isinstance(num_replicas, int) or \
                 num_replicas < 1:

@@ -6,8 +6,8 @@ groups sharing a prompt prefix), with one or more replicas behind a least-remain
 router, and the scheduler's own prefix cache on or off. `sim_main(argv)` in `cli.py` is the
 CLI.
 """
-from hetero_jax.sim.costmodel import (HARDWARE, MODELS, Hardware, LinearCostModel, ModelSpec,
-                                      RooflineCostModel, StepShape, load_cost_model)
+from hetero_jax.sched.costmodel import (HARDWARE, MODELS, Hardware, LinearCostModel,
+                                        ModelSpec, RooflineCostModel, StepShape, load_cost_model)
 from hetero_jax.sim.report import format_table, percentile
 from hetero_jax.sim.simulate import SimConfig, SimResult, Simulation, simulate
 from hetero_jax.sim.workload import (WORKLOADS, LengthDist, RequestSpec, WorkloadConfig,

@@ -26,9 +26,9 @@ import itertools
 from hetero_jax.sched import BATCHING, SchedulerConfig
 from hetero_jax.sched.bandit import DEFAULT_ARMS
 from hetero_jax.sched.batching import FeatherConfig
+from hetero_jax.sched.costmodel import HARDWARE, MODELS, ModelSpec, load_cost_model
+from hetero_jax.sched.tiles import CascadeSettings
 from hetero_jax.sim.options import int_range, on_off, output_file, real_range, write_json
-from hetero_jax.sim.costmodel import HARDWARE, MODELS, ModelSpec, load_cost_model
-from hetero_jax.sim.kvreads import CascadeSettings
 from hetero_jax.sim.report import format_table
 from hetero_jax.sim.simulate import SimConfig, simulate
 from hetero_jax.sim.workload import LengthDist, WorkloadConfig

@@ -31,7 +31,7 @@ import dataclasses
 import json
 
 from hetero_jax.sched import EMBED, GENERATE, SchedulerConfig
-from hetero_jax.sim.costmodel import LinearCostModel, StepCost, load_cost_model
+from hetero_jax.sched.costmodel import LinearCostModel, StepCost, load_cost_model
 from hetero_jax.sim.report import format_table
 from hetero_jax.sim.simulate import SimConfig, Simulation
 from hetero_jax.sim.workload import ratio_workload, request_specs, run_size

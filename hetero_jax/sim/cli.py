@@ -33,7 +33,7 @@ import math
 from hetero_jax.sched import BATCHING, EMBED, GENERATE, POLICIES, SchedulerConfig
 from hetero_jax.sched.policies import COST_AWARE_IBS
 from hetero_jax.sched.router import ROUTERS, RouterConfig
-from hetero_jax.sim.costmodel import HARDWARE, MODELS, StepCost, load_cost_model
+from hetero_jax.sched.costmodel import HARDWARE, MODELS, StepCost, load_cost_model
 from hetero_jax.sim.options import int_range, name_list, on_off, output_file, real_range, \
     write_json
 from hetero_jax.sim.report import format_table

@@ -21,7 +21,7 @@ cached pages, so the cost model, which sees only scheduled items, charges nothin
 tokens' FLOPs and weights, and still charges the attention reads over them (an item's context
 is its start plus its tokens). With `SimConfig.cascade` a decode-only step whose sequences
 share cached pages reads them once per tile, as the engine's cascade attention does
-(`kvreads.py`); the result counts the KV tokens read, the steps that used cascade and the
+(`sched/tiles.py`); the result counts the KV tokens read, the steps that used cascade and the
 mean decode batch. The fake runner reports the cost model's step time, so the
 `feather-bandit` batching policy learns from simulated tokens per second. Imports no
 jax.
@@ -34,10 +34,10 @@ import itertools
 
 from hetero_jax.sched import (EMBED, GENERATE, Request, RunnerOutput, SampledToken, Scheduler,
                               SchedulerConfig)
+from hetero_jax.sched.costmodel import StepShape
 from hetero_jax.sched.hashing import chain_seed, extend_hashes
 from hetero_jax.sched.router import Router, RouterConfig
-from hetero_jax.sim.costmodel import StepShape
-from hetero_jax.sim.kvreads import CascadeSettings
+from hetero_jax.sched.tiles import CascadeSettings
 from hetero_jax.sim.report import percentile
 from hetero_jax.sim.workload import WorkloadConfig, arrival_times, request_specs
 
@@ -218,8 +218,8 @@ class SimResult:
                 "latency_p50_s": percentile(lat, 50), "latency_p99_s": percentile(lat, 99),
                 "ttft_p50_s": percentile(first, 50), "ttft_p99_s": percentile(first, 99)}
         page = sim.cfg.scheduler.page_size
-        query = page * sum(r.sched.pages.query_pages for r in sim.replicas)
-        hit = page * sum(r.sched.pages.hit_pages for r in sim.replicas)
+        query = page * sum(r.sched.cache_stats().query_pages for r in sim.replicas)
+        hit = page * sum(r.sched.cache_stats().hit_pages for r in sim.replicas)
         return cls(end, tot.steps, tot.fill / max(tot.steps, 1),
                    tot.embed_tokens / max(tot.tokens, 1), tot.busy_s, tot.preemptions, per_type,
                    tot.tokens, query, hit, hit / query if query else None,

@@ -1,11 +1,12 @@
-"""Step-time cost models for the simulator: how long one scheduled step takes on a device.
+"""Step-time cost models: how long one scheduled step takes on a device (the simulator's,
+`hetero_jax/sim`, and the engine's cost-aware IBS: one jax-free module that both import).
 
 In: a `StepShape` (token counts by item kind, sequences, cached context read, attention
 query-key pairs, sampled rows), computed from a `SchedulerOutput`. Out: seconds. Imports no jax.
 
 Attention is charged by the KV actually read: every sequence reads its whole context, except
 that in a decode-only step under cascade attention (`from_output(..., cascade=...)`,
-`kvreads.py`) the pages a tile of sequences shares are read once for the tile
+`tiles.py`) the pages a tile of sequences shares are read once for the tile
 (`shared_kv_tokens` are the reads saved). Both cost models read `kv_read_tokens` (the linear
 model as its `context_tokens` feature).
 
@@ -26,7 +27,7 @@ import dataclasses
 import json
 
 from hetero_jax.sched.output import DECODE, EMBED, PREFILL, SchedulerOutput
-from hetero_jax.sim.kvreads import CascadeSettings, kv_pages_saved
+from hetero_jax.sched.tiles import CascadeSettings, kv_pages_saved
 
 FEATURES = ("tokens", "embed_tokens", "prefill_tokens", "decode_tokens", "seqs",
             "context_tokens", "attn_pairs", "sampled")
