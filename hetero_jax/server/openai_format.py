@@ -39,11 +39,6 @@ def sampling_params(req, max_tokens: int, logprobs: int | None, seed: int | None
         raise RequestError(0, "params", str(e)) from e
 
 
-def choice_seed(seed: int | None, choice: int) -> int | None:
-    """Choice j of a seeded request samples with seed + j (None: the engine picks)."""
-    return None if seed is None else (seed + choice) % 2**32
-
-
 def pooling_params(req) -> PoolingParams:
     try:
         return PoolingParams(pooling=req.pooling, normalize=req.normalize,

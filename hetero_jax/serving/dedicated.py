@@ -31,7 +31,7 @@ from hetero_jax.config import EngineConfig
 from hetero_jax.models.presets import preset_config
 from hetero_jax.requests import EmbedRequest
 from hetero_jax.serving.batch_api import BatchAPI
-from hetero_jax.serving.input_processor import check_request_type, default_seed
+from hetero_jax.serving.input_processor import check_request_type, default_seed, expand_samples
 
 EMBED_ROLE, GEN_ROLE = "embed", "generate"
 _ONE_THREAD = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
@@ -199,7 +199,7 @@ class DedicatedEngine(BatchAPI):
         """Embedding requests to one worker, generation requests to the other, at once;
         outputs in input order. `use_tqdm` is accepted for API parity and ignored."""
         start = time.perf_counter()
-        requests = list(requests)
+        requests = expand_samples(list(requests))
         split = {EMBED_ROLE: [], GEN_ROLE: []}  # role -> [(index, request)]
         for i, r in enumerate(requests):
             check_request_type(i, r)

@@ -21,7 +21,7 @@ import numpy as np
 from hetero_jax.config import EngineConfig
 from hetero_jax.models.config import ModelConfig
 from hetero_jax.requests import (POOLING_KINDS, EmbedRequest, GenerateRequest, PoolingParams,
-                                 SamplingParams)
+                                 SamplingParams, sample_seed)
 from hetero_jax.sched import EMBED, EmbedKnobs, GenKnobs, Request
 from hetero_jax.sched.hashing import chain_seed
 
@@ -42,6 +42,35 @@ def check_request_type(index: int, request) -> None:
     if not isinstance(request.params, want):
         raise TypeError(f"request {index}: {type(request).__name__}.params is a "
                         f"{type(request.params).__name__}; expected {want.__name__}")
+
+
+def check_generation(index: int, sp: SamplingParams, max_model_len: int, tokenizer) -> None:
+    """What a generation's knobs ask beyond the engine: a max_tokens no prompt leaves room
+    for, stop strings without a tokenizer, n > 1 outside a batch call."""
+    if sp.max_tokens >= max_model_len:
+        raise ValueError(f"prompt {index}: max_tokens={sp.max_tokens} exceeds max_model_len="
+                         f"{max_model_len} (prompt and output together; at most "
+                         f"{max_model_len - 1})")
+    if sp.stop and tokenizer is None:
+        raise ValueError(f"prompt {index}: stop strings need a tokenizer (this model has none; "
+                         "use stop_token_ids)")
+    if sp.n > 1:
+        raise ValueError(f"prompt {index}: n={sp.n} is served by generate() and run(), which "
+                         "return n outputs per prompt; a streaming front takes n=1 per stream")
+
+
+def expand_samples(requests: list) -> list:
+    """Each GenerateRequest with `n` > 1 as n requests of n=1 in its place (prompt-major), the
+    j-th seeded with `sample_seed(seed, j)`; they share the prompt's cached pages."""
+    out = []
+    for r in requests:
+        if isinstance(r, GenerateRequest) and isinstance(r.params, SamplingParams) \
+                and r.params.n > 1:
+            out += [GenerateRequest(r.prompt, dataclasses.replace(
+                r.params, n=1, seed=sample_seed(r.params.seed, j))) for j in range(r.params.n)]
+        else:
+            out.append(r)
+    return out
 
 
 def described(value) -> str:
@@ -78,16 +107,27 @@ def _as_requests(xs, params, params_cls, request_cls, noun: str) -> list:
     if params is None or isinstance(params, params_cls):
         params = [params or params_cls()] * len(xs)
     elif not isinstance(params, (list, tuple)):
-        hint = (f" ({params_cls.__name__}(**params) builds one from a dict)"
-                if isinstance(params, dict) else "")
-        raise TypeError(f"params is {described(params)}; expected {want}{hint}")
+        raise TypeError(f"params is {described(params)}; expected {want}"
+                        f"{_params_hint(params, params_cls)}")
     bad = next((i for i, p in enumerate(params) if not isinstance(p, params_cls)), None)
     if bad is not None:
         raise TypeError(f"params {bad} is {described(params[bad])}; expected "
-                        f"{params_cls.__name__}")
+                        f"{params_cls.__name__}{_params_hint(params[bad], params_cls)}")
     if len(params) != len(xs):
         raise ValueError(f"got {len(params)} {params_cls.__name__} for {len(xs)} {noun}")
     return [request_cls(x, p) for x, p in zip(xs, params)]
+
+
+def _params_hint(params, params_cls) -> str:
+    """What to do instead: build the params from a dict (vLLM takes none), or use the other
+    call for the other params class."""
+    if isinstance(params, dict):
+        return f" (as in vLLM, a dict is not taken: {params_cls.__name__}(**params) builds one)"
+    other = {SamplingParams: ("PoolingParams", "embed()"),
+             PoolingParams: ("SamplingParams", "generate()")}[params_cls]
+    if type(params).__name__ == other[0]:
+        return f" ({other[0]} is for {other[1]})"
+    return ""
 
 
 def as_generate_requests(prompts, params: SamplingParams | list | None) -> list:
@@ -196,12 +236,16 @@ class InputProcessor:
         if len(ids) >= self.config.max_model_len:
             raise ValueError(f"prompt {index} has {len(ids)} tokens; max_model_len="
                              f"{self.config.max_model_len} leaves no room to generate")
+        check_generation(index, sp, self.config.max_model_len, self.tokenizer)
         eos = () if sp.ignore_eos else self.model_cfg.eos_token_ids
         seed = sp.seed if sp.seed is not None else default_seed(self.config.seed, request_id)
         return Request(request_id=request_id, prompt_token_ids=ids, max_tokens=sp.max_tokens,
                        stop_token_ids=frozenset(sp.stop_token_ids) | frozenset(eos),
                        arrival_time=time.perf_counter(), cache_seed=self._cache_seed(sp.cache_salt),
-                       knobs=GenKnobs(sp.temperature, sp.top_k, sp.top_p, seed, sp.logprobs))
+                       knobs=GenKnobs(sp.temperature, sp.top_k, sp.top_p, seed, sp.logprobs,
+                                      sp.presence_penalty, sp.frequency_penalty,
+                                      sp.repetition_penalty),
+                       stop_strings=sp.stop)
 
     def _embed(self, index: int, request_id: int, r: EmbedRequest) -> Request:
         pp, model = r.params, self.embedding
