@@ -160,10 +160,6 @@ def _routes() -> list:
 
 
 # -- completions and chat --------------------------------------------------------------------
-def _stops(stop) -> list:
-    return [] if stop is None else [stop] if isinstance(stop, str) else list(stop)
-
-
 async def _completion(state: _State, request: Request, req: CompletionRequest) -> Response:
     if req.best_of is not None and req.best_of != req.n:
         raise ApiError(400, f"best_of={req.best_of} must equal n={req.n} (no ranking here)",
@@ -199,7 +195,7 @@ def _uid() -> str:
 
 async def _generate(state, request, req, kind: str, rid: str, choices: list) -> Response:
     """Run every choice; a whole body, or (`stream`) server-sent events of chunks."""
-    streams = [choice_pieces(state.client, prompt, params, f"{rid}-{i}", _stops(req.stop))
+    streams = [choice_pieces(state.client, prompt, params, f"{rid}-{i}")
                for i, (prompt, params) in enumerate(choices)]
     pieces = merged(streams)
     try:

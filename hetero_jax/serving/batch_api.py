@@ -3,6 +3,8 @@
 """
 from __future__ import annotations
 
+import difflib
+
 import numpy as np
 
 from hetero_jax.requests import PoolingParams, SamplingParams, did_you_mean
@@ -73,13 +75,17 @@ def _vllm_keyword(call: str, params, kwargs: dict, vllm_name: str, params_cls,
         if params is not None:
             raise TypeError(f"{call}() got both params and {vllm_name}; pass one")
         params = kwargs.pop(vllm_name)
+    name = params_cls.__name__
     for key, value in kwargs.items():
         fields = list(params_cls.__dataclass_fields__)
         if key in fields:
-            raise TypeError(f"{call}() has no keyword {key!r}: it is a field of "
-                            f"{params_cls.__name__}; pass {params_cls.__name__}({key}="
-                            f"{value!r})")
-        raise TypeError(f"{call}() has no keyword {key!r}"
-                        f"{did_you_mean(key, ['params', vllm_name, 'use_tqdm', *more])}")
+            raise TypeError(f"{call}() has no keyword {key!r}: it is a field of {name}; pass "
+                            f"{name}({key}={value!r})")
+        own = ["params", vllm_name, "use_tqdm", *more]
+        close = difflib.get_close_matches(key, own + fields, n=1)
+        if close and close[0] in fields:
+            raise TypeError(f"{call}() has no keyword {key!r}; did you mean "
+                            f"{name}({close[0]}=...)?")
+        raise TypeError(f"{call}() has no keyword {key!r}{did_you_mean(key, own)}")
     return params
 

@@ -107,27 +107,26 @@ def _as_requests(xs, params, params_cls, request_cls, noun: str) -> list:
     if params is None or isinstance(params, params_cls):
         params = [params or params_cls()] * len(xs)
     elif not isinstance(params, (list, tuple)):
-        raise TypeError(f"params is {described(params)}; expected {want}"
-                        f"{_params_hint(params, params_cls)}")
+        raise _params_error("params", params, params_cls, want)
     bad = next((i for i, p in enumerate(params) if not isinstance(p, params_cls)), None)
     if bad is not None:
-        raise TypeError(f"params {bad} is {described(params[bad])}; expected "
-                        f"{params_cls.__name__}{_params_hint(params[bad], params_cls)}")
+        raise _params_error(f"params {bad}", params[bad], params_cls, params_cls.__name__)
     if len(params) != len(xs):
         raise ValueError(f"got {len(params)} {params_cls.__name__} for {len(xs)} {noun}")
     return [request_cls(x, p) for x, p in zip(xs, params)]
 
 
-def _params_hint(params, params_cls) -> str:
-    """What to do instead: build the params from a dict (vLLM takes none), or use the other
-    call for the other params class."""
-    if isinstance(params, dict):
-        return f" (as in vLLM, a dict is not taken: {params_cls.__name__}(**params) builds one)"
-    other = {SamplingParams: ("PoolingParams", "embed()"),
-             PoolingParams: ("SamplingParams", "generate()")}[params_cls]
-    if type(params).__name__ == other[0]:
-        return f" ({other[0]} is for {other[1]})"
-    return ""
+def _params_error(label: str, value, params_cls, want: str) -> TypeError:
+    """What was passed where `params_cls` goes, and the fix: the other params class belongs
+    to the other call; a dict is not taken (as in vLLM) but builds one."""
+    calls = {SamplingParams: "generate()", PoolingParams: "embed()"}
+    other = PoolingParams if params_cls is SamplingParams else SamplingParams
+    if isinstance(value, other):
+        return TypeError(f"{label} is a {other.__name__}, which is for {calls[other]}; "
+                         f"{calls[params_cls]} takes {params_cls.__name__}")
+    hint = (f" (as in vLLM, a dict is not taken: {params_cls.__name__}(**params) builds one)"
+            if isinstance(value, dict) else "")
+    return TypeError(f"{label} is {described(value)}; expected {want}{hint}")
 
 
 def as_generate_requests(prompts, params: SamplingParams | list | None) -> list:
