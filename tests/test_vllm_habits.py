@@ -2,6 +2,7 @@
 import re
 import shutil
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
@@ -10,9 +11,11 @@ from hetero_jax import Engine, EngineConfig, PoolingParams, SamplingParams
 from hetero_jax.models import llama
 from hetero_jax.models.presets import preset_config
 from hetero_jax.requests import GenerateRequest
+from hetero_jax.runner.sampler import penalize, token_counts
 from hetero_jax.serving.output_processor import delta
 from tests.hf_models import save_byte_tokenizer
 from tests.model_runs import full_logits
+from tests.test_sampler import knobs
 
 SMALL = EngineConfig(token_budget=64, max_model_len=256, token_buckets=(16, 64))
 PENALTIES = dict(presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.3)
@@ -225,3 +228,17 @@ def test_vllm_keyword_names_are_taken(engine):
     np.testing.assert_array_equal(
         engine.embed(["ab"], pooling_params=PoolingParams(pooling="last"), use_tqdm=False),
         engine.embed(["ab"], PoolingParams(pooling="last"), use_tqdm=False))
+
+
+def test_penalties_hand_computed_from_a_paged_token_table():
+    """Row 0's pages are [2, 1] (page size 2): positions 0-3 hold ids 0, 3 (prompt), 1, 1
+    (generated); slot 0 (the scratch page) holds garbage that kv_len leaves out."""
+    table = jnp.array([3, 3, 1, 1, 0, 3], jnp.int32)  # [3 pages * 2]
+    k = knobs(1, temperature=0.0, presence=0.25, frequency=0.5, repetition=2.0, kv_len=4,
+              prompt_len=2)
+    counts, seen = token_counts(table, jnp.array([[2, 1, 0]], jnp.int32), k, 4, 2)
+    assert counts.tolist() == [[0, 2, 0, 0]] and seen.tolist() == [[True, True, False, True]]
+    logits = jnp.array([[2.0, -1.0, 0.5, 1.0]])
+    got = penalize(logits, counts, seen, k)
+    # 2 / 2; -1 * 2 - 0.5 * 2 - 0.25; untouched; 1 / 2
+    np.testing.assert_allclose(got, [[1.0, -3.25, 0.5, 0.5]])
