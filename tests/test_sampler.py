@@ -21,7 +21,9 @@ LOGITS = jnp.log(jnp.array([[0.1, 0.6, 0.05, 0.25]], jnp.float32))
 
 
 def draws(n, **kw):
-    packed = sample(jnp.repeat(LOGITS, n, 0), knobs(n, **kw), num_logprobs=2)
+    packed = sample(jnp.repeat(LOGITS, n, 0), knobs(n, **kw), num_logprobs=2,
+                    table=jnp.zeros(1, jnp.int32), page_indices=jnp.zeros((n, 1), jnp.int32),
+                    page_size=1)
     return np.asarray(packed[:, 0]).astype(int), np.asarray(packed)
 
 

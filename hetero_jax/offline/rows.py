@@ -1,14 +1,15 @@
 """The rows of a batch job: input rows -> requests, outputs -> output rows (no jax).
 
 In: an input file, JSONL (one JSON object a line) or Parquet (told apart by Parquet's magic
-bytes, not the name; read only when `pyarrow` is importable). A row has an `id` (a string or
-an integer) and either `embed` or `prompt` (a string, or a list of token ids); an `embed` row
-may carry `PoolingParams` fields (`pooling`, `normalize`, `truncate`, `adapter`,
-`cache_salt`), a `prompt` row `SamplingParams` fields (`max_tokens`, `temperature`, `top_k`,
-`top_p`, `seed`, `stop_token_ids`, `ignore_eos`, `logprobs`, `cache_salt`, `stop` and the
-penalties; not `n`: a row is one sample), with the same names, defaults and checks. A field
-set to null (or a Parquet null) counts as absent; any other field is the row's error. A `prompt` row without a `seed` samples with `row_seed(id)`,
-so its tokens depend on the row alone, not on where it runs or what runs beside it.
+bytes, not the name; read only when `pyarrow` is importable). A row has an `id` (a string or an
+integer) and either `embed` or `prompt` (a string, or a list of token ids); an `embed` row may
+carry `PoolingParams` fields (`pooling`, `normalize`, `truncate`, `adapter`, `cache_salt`), a
+`prompt` row `SamplingParams` fields (`max_tokens`, `temperature`, `top_k`, `top_p`, `seed`,
+`stop_token_ids`, `ignore_eos`, `logprobs`, `cache_salt`, `stop` and the penalties; not `n`: a
+row is one sample), with the same names, defaults and checks. A field set to null (or a Parquet
+null) counts as absent; any other field is the row's error. A `prompt` row without a `seed`
+samples with `row_seed(id)`, so its tokens depend on the row alone, not on where it runs or
+what runs beside it.
 
 Out: `read_rows` yields an `InputRow` per row in file order (its 1-based line in JSONL, row
 in Parquet), with its request or the reason it has none; `output_row` turns an engine output

@@ -5,8 +5,9 @@ recompiles) and, for the penalties, the step's token table (`[num_pages * page_s
 of every token whose K/V is in the cache, at its KV slot) with the rows' page tables: a row's
 history is read in place, as attention reads its K/V. vLLM's penalties (presence, frequency
 over the generated tokens; repetition over prompt and output) change the logits before
-greedy or temperature, inside a `lax.cond` that a step whose rows use none skips. Out: per row the sampled token, its log-prob and the K top ids and log-probs,
-packed by `packed.PackedLayout.sample_rows` into the step's one device->host array.
+greedy or temperature, inside a `lax.cond` that a step whose rows use none skips. Out: per
+row the sampled token, its log-prob and the K top ids and log-probs, packed by
+`packed.PackedLayout.sample_rows` into the step's one device->host array.
 Log-probs are those of the model's distribution (before temperature and truncation).
 """
 from __future__ import annotations
@@ -60,8 +61,8 @@ def token_counts(table, page_indices, knobs: SamplingKnobs, vocab: int, page_siz
     """table [num_pages * page_size] int32, page_indices [S, P] -> (output counts [S, V] f32,
     seen in prompt or output [S, V] bool) of each row's tokens below its `kv_len`."""
     s, p = page_indices.shape
-    slots = (page_indices[:, :, None] * page_size + jnp.arange(page_size)).reshape(s, p * page_size)
-    ids = table[slots]  # [S, P * page_size]: the row's tokens by position
+    slots = page_indices[:, :, None] * page_size + jnp.arange(page_size)  # [S, P, page_size]
+    ids = table[slots.reshape(s, p * page_size)]  # [S, P * page_size]: tokens by position
     pos = jnp.arange(p * page_size)[None, :]
     in_seq = pos < knobs.kv_len[:, None]
     generated = in_seq & (pos >= knobs.prompt_len[:, None])
@@ -80,15 +81,14 @@ def penalize(logits, counts, seen, knobs: SamplingKnobs):
             - knobs.presence[:, None] * (counts > 0).astype(jnp.float32))
 
 
-def sample(logits, knobs: SamplingKnobs, num_logprobs: int, table=None, page_indices=None,
-           page_size: int = 1):
+def sample(logits, knobs: SamplingKnobs, num_logprobs: int, table, page_indices,
+           page_size: int):
     """logits [S, V] f32 -> rows [S, 2 + 2 * num_logprobs] f32 (`PackedLayout.sample_rows`).
     `table` and `page_indices` (see `token_counts`) are read only when a row has a penalty."""
     def penalized():
         return penalize(logits, *token_counts(table, page_indices, knobs, logits.shape[-1],
                                               page_size), knobs)
-    chosen_from = logits if table is None else jax.lax.cond(knobs.penalized, penalized,
-                                                            lambda: logits)
+    chosen_from = jax.lax.cond(knobs.penalized, penalized, lambda: logits)
     greedy = jnp.argmax(chosen_from, axis=-1)
     tokens = jax.lax.cond(jnp.any(knobs.temperature > 0),
                           lambda: jnp.where(knobs.temperature > 0,

@@ -2,12 +2,13 @@
 
 `text_delta` decodes the text a few new ids add (streaming). For stop strings, in: a
 `sched.Request` with `stop_strings`, after a step appended its token, and the tokenizer. Out:
-the request's `text` grown by the new ids' text (`text_delta`) and, when a stop string appears, `stop_at`, the index where the
-text is cut (the stop string is not part of the output; the ids keep the token that completed
-it, as transformers' `generate(stop_strings=...)` does). `Engine.step` calls `scan` on the
-step's requests on the engine's thread and ends a stopped one with `finish_reason="stop"`;
-`safe_text` is what a front may stream before the request ends (nothing that could still
-begin a stop string), so the streamed text is always a prefix of the final one.
+the request's `text` grown by the new ids' text (`text_delta`) and, when a stop string appears,
+`stop_at`, the index where the text is cut (the stop string is not part of the output; the ids
+keep the token that completed it, as transformers' `generate(stop_strings=...)` does).
+`Engine.step` calls `scan` on the step's requests on the engine's thread and ends a stopped one
+with `finish_reason="stop"`; `safe_text` is what a front may stream before the request ends
+(nothing that could still begin a stop string), so the streamed text is always a prefix of the
+final one.
 """
 from __future__ import annotations
 
