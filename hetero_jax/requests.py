@@ -8,6 +8,8 @@ bad value raises here, naming the value and the limit.
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import functools
 import math
 import numbers
 import reprlib
@@ -50,6 +52,60 @@ def require_salt(value) -> None:
                          f"{type(value).__name__}")
 
 
+def known_keywords(cls):
+    """Class decorator: an unknown keyword to `cls(...)` raises a TypeError that names the
+    closest field (`max_token` -> `max_tokens`) instead of the dataclass's bare one."""
+    init, names = cls.__init__, [f.name for f in dataclasses.fields(cls)]
+
+    @functools.wraps(init)
+    def checked(self, *args, **kwargs):
+        for key in kwargs:
+            if key not in names:
+                raise TypeError(f"{cls.__name__} has no keyword {key!r}"
+                                f"{did_you_mean(key, names)}")
+        init(self, *args, **kwargs)
+    cls.__init__ = checked
+    return cls
+
+
+def did_you_mean(key: str, names: list) -> str:
+    """"; did you mean 'x'?" for the closest of `names`, else the list of them."""
+    close = difflib.get_close_matches(key, names, n=1)
+    return f"; did you mean {close[0]!r}?" if close else f"; expected one of {', '.join(names)}"
+
+
+def _stop_strings(stop) -> tuple:
+    """`stop` as vLLM takes it (None, a string or a list of strings) -> a tuple of them."""
+    if stop is None:
+        return ()
+    if isinstance(stop, str):
+        return (stop,)
+    if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
+        raise ValueError(f"stop={stop!r} must be a string or a list of non-empty strings")
+    return tuple(stop)
+
+
+def _check_penalties(p) -> None:
+    """vLLM's ranges: presence/frequency in [-2, 2], repetition > 0 (1 = off)."""
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = require_real(name, getattr(p, name))
+        if not -2 <= value <= 2:
+            raise ValueError(f"{name}={value!r} must be in [-2, 2]")
+        _set(p, name, value)
+    _set(p, "repetition_penalty", require_real("repetition_penalty", p.repetition_penalty))
+    if p.repetition_penalty <= 0:
+        raise ValueError(f"repetition_penalty={p.repetition_penalty!r} must be > 0 (1 is off)")
+
+
+MAX_N = 1024  # samples of one prompt in one request
+
+
+def sample_seed(seed: int | None, j: int) -> int | None:
+    """Sample (choice) j of a seeded request samples with seed + j (None: the engine picks)."""
+    return None if seed is None else (seed + j) % 2**32
+
+
+@known_keywords
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
     """How one generation request samples. `temperature=0` is greedy; `top_k=0` means all.
@@ -59,6 +115,13 @@ class SamplingParams:
     random stream (None: fixed by the engine's seed and the request's id). `cache_salt` keeps
     the request's prefix-cache entries apart from requests with another salt (tenants).
     Integers may be numpy integers; booleans must be `bool`.
+
+    vLLM's knobs: `stop` strings end the text where one appears (checked on the detokenized
+    text; the stop string is not in the output); `n` samples of the prompt (one output each,
+    sharing the prompt's cached pages; with a `seed`, sample j uses seed + j);
+    `presence_penalty` / `frequency_penalty` subtract from the logit of each token generated
+    so far (once / per occurrence), `repetition_penalty` divides a positive logit (multiplies
+    a negative one) of each token in the prompt or output; all before temperature.
     """
 
     max_tokens: int = 16
@@ -70,6 +133,11 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     cache_salt: str | None = None
+    stop: tuple = ()
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
     def __post_init__(self):
         _set(self, "max_tokens", require_int("max_tokens", self.max_tokens, 1, INT32_MAX))
@@ -93,12 +161,16 @@ class SamplingParams:
         if self.logprobs is not None:
             _set(self, "logprobs", require_int("logprobs", self.logprobs, 0, INT32_MAX))
         require_salt(self.cache_salt)
+        _set(self, "stop", _stop_strings(self.stop))
+        _set(self, "n", require_int("n", self.n, 1, MAX_N))
+        _check_penalties(self)
 
 
 STREAMING_KINDS = ("mean", "weighted_mean", "cls", "last")  # incremental over chunks
 POOLING_KINDS = STREAMING_KINDS + ("buffered",)
 
 
+@known_keywords
 @dataclasses.dataclass(frozen=True)
 class PoolingParams:
     """How one embedding request pools its final hidden states (after the final norm).

@@ -33,3 +33,22 @@ def hf_logits(model, ids) -> np.ndarray:
     """[n] token ids -> [n, V] float32 logits of the full sequence."""
     with torch.no_grad():
         return model(torch.tensor([[int(i) for i in ids]])).logits[0].float().numpy()
+
+
+def save_byte_tokenizer(path: str, chat_template: str | None = None):
+    """A byte-level tokenizer (ids 0-2 `<unk>`, `<s>`, `</s>`, then one id per byte, no
+    merges) saved to `path` as transformers saves one; -> the transformers tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    for c in sorted(pre_tokenizers.ByteLevel.alphabet()):
+        vocab[c] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>",
+                                                eos_token="</s>", unk_token="<unk>")
+    if chat_template is not None:
+        fast.chat_template = chat_template
+    fast.save_pretrained(path)
+    return fast

@@ -115,8 +115,10 @@ def test_row_fields_map_to_params_and_a_missing_seed_comes_from_the_id():
     assert (emb.id, emb.request.input, emb.request.params) == (
         5, "x", PoolingParams(pooling="cls", truncate=True))
     stop = make_row(5, {"id": "s", "prompt": "x", "stop": ["\n"]})
-    assert stop.request is None and "unknown field 'stop'" in stop.error
-    assert "use stop_token_ids" in stop.error
+    assert stop.request.params.stop == ("\n",)
+    many = make_row(6, {"id": "n", "prompt": "x", "n": 2})
+    assert many.request is None and "unknown field 'n'" in many.error
+    assert "one row per sample" in many.error
 
 
 # -- against the engine ----------------------------------------------------------------------
@@ -164,7 +166,7 @@ def test_bad_rows_go_to_the_errors_file_with_their_lines(engine, tmp_path):
     lines = ['{"id": "ok1", "embed": "fine"}', "not json", "", "[1, 2]", '{"embed": "no id"}',
              '{"id": true, "embed": "x"}', '{"id": "ok1", "embed": "again"}',
              '{"id": "both", "embed": "x", "prompt": "y"}', '{"id": "neither"}',
-             '{"id": "unk", "prompt": "x", "stop": ["."]}',
+             '{"id": "unk", "prompt": "x", "stops": ["."]}',
              '{"id": "neg", "prompt": "x", "temperature": -1}',
              '{"id": "vocab", "embed": [1, 9999]}', '{"id": "empty", "prompt": ""}',
              '{"id": "long", "prompt": "' + "x" * 300 + '"}',
@@ -178,7 +180,7 @@ def test_bad_rows_go_to_the_errors_file_with_their_lines(engine, tmp_path):
             7: ("input", "ok1", "duplicate id 'ok1': line 1 has it already"),
             8: ("input", "both", "has both 'embed' and 'prompt'"),
             9: ("input", "neither", "has neither"),
-            10: ("input", "unk", "unknown field 'stop'"),
+            10: ("input", "unk", "unknown field 'stops'"),
             11: ("input", "neg", "temperature=-1.0 must be >= 0"),
             12: ("engine", "vocab", "the input: token id 9999 outside [0, 512)"),
             13: ("engine", "empty", "the prompt is empty"),

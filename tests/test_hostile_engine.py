@@ -193,7 +193,7 @@ def engine():
     (lambda e: e.generate(b"abc"), r"prompts is bytes \(b'abc'\); expected a string"),
     (lambda e: e.generate(["x"], {"max_tokens": 2}),
      r"params is a dict \(\{'max_tokens': 2\}\); expected SamplingParams, a list of them or "
-     r"None \(SamplingParams\(\*\*params\) builds one from a dict\)"),
+     r"None \(as in vLLM, a dict is not taken: SamplingParams\(\*\*params\) builds one\)"),
     (lambda e: e.embed(None), "inputs is None; expected a string, a list of token ids"),
     (lambda e: e.embed([b"x"]), "input 0 is bytes"),
     (lambda e: e.generate("x", SamplingParams), "params is the class SamplingParams"),

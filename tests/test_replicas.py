@@ -235,3 +235,10 @@ def test_ray_without_ray_is_an_argparse_error(tmp_path, capsys, monkeypatch):
     assert e.value.code == 2 and ("argument --ray: --ray local needs ray, which is not "
                                   "installed") in capsys.readouterr().err
     assert not os.path.exists(tmp_path / "o.jsonl")
+
+
+def test_n_samples_on_replicas_are_one_engines(replicas, one):
+    sampled = [GenerateRequest("sampled", SamplingParams(n=3, seed=4, max_tokens=4))]
+    got = replicas.run(sampled)
+    assert len(got) == 3
+    assert [o.token_ids for o in got] == [o.token_ids for o in one.run(sampled, False)]

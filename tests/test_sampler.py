@@ -7,17 +7,23 @@ from hetero_jax import Engine, EngineConfig, SamplingParams
 from hetero_jax.runner.sampler import SamplingKnobs, sample
 
 
-def knobs(n, temperature=1.0, top_k=0, top_p=1.0, seed=0, step=0):
+def knobs(n, temperature=1.0, top_k=0, top_p=1.0, seed=0, step=0, presence=0.0, frequency=0.0,
+          repetition=1.0, kv_len=0, prompt_len=0):
     full = lambda v, dt: jnp.full((n,), v, dt)  # noqa: E731
     return SamplingKnobs(full(temperature, jnp.float32), full(top_k, jnp.int32),
-                         full(top_p, jnp.float32), full(seed, jnp.uint32), jnp.arange(n) + step)
+                         full(top_p, jnp.float32), full(seed, jnp.uint32), jnp.arange(n) + step,
+                         full(presence, jnp.float32), full(frequency, jnp.float32),
+                         full(repetition, jnp.float32), full(kv_len, jnp.int32),
+                         full(prompt_len, jnp.int32))
 
 
 LOGITS = jnp.log(jnp.array([[0.1, 0.6, 0.05, 0.25]], jnp.float32))
 
 
 def draws(n, **kw):
-    packed = sample(jnp.repeat(LOGITS, n, 0), knobs(n, **kw), num_logprobs=2)
+    packed = sample(jnp.repeat(LOGITS, n, 0), knobs(n, **kw), num_logprobs=2,
+                    table=jnp.zeros(1, jnp.int32), page_indices=jnp.zeros((n, 1), jnp.int32),
+                    page_size=1)
     return np.asarray(packed[:, 0]).astype(int), np.asarray(packed)
 
 

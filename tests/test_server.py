@@ -23,7 +23,6 @@ from hetero_jax.outputs import EmbeddingOutput, EngineStats, RequestError
 from hetero_jax.server.app import ServerConfig, build_app
 from hetero_jax.server.chat import DEFAULT_TEMPLATE, ChatTemplate, read_template
 from hetero_jax.server.cli import ServerThread
-from hetero_jax.server.generation import StopFilter
 from hetero_jax.serving.async_engine import AsyncEngine
 from hetero_jax.serving.client import FrontStats, GenerateStream, StepTimes
 
@@ -123,15 +122,26 @@ def test_stop_strings_cut_the_text(engine, oai):
     idle(engine)
 
 
-def test_stop_filter_holds_back_what_may_begin_a_stop_string():
-    f = StopFilter(["END"])
-    assert f.feed("abcE", False) == ("ab", False)
-    assert f.feed("N", False) == ("c", False)  # "EN" may still begin "END"
-    assert f.feed("Dxyz", False) == ("", True)  # "abcEND...": cut before "END"
-    g = StopFilter([])
-    assert g.feed("abc", False) == ("abc", False)
-    h = StopFilter(["zz"])
-    assert h.feed("az", True) == ("az", False)  # the last piece sends everything
+def test_streamed_stop_strings_cut_the_text_as_the_whole_body(engine, oai):
+    (full,) = engine.generate(["stop here"], SamplingParams(max_tokens=24, temperature=0),
+                              use_tqdm=False)
+    stop = full.text[1:3]
+    chunks = list(oai.completions.create(model="tiny", prompt="stop here", max_tokens=24,
+                                         temperature=0, stop=stop, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == full.text[:full.text.index(stop)]
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    idle(engine)
+
+
+def test_penalties_reach_the_engine(engine, oai):
+    knobs = dict(presence_penalty=1.5, frequency_penalty=0.5, repetition_penalty=1.5)
+    (want,) = engine.generate(["again and again"], SamplingParams(
+        max_tokens=12, temperature=0, **knobs), use_tqdm=False)
+    got = oai.completions.create(model="tiny", prompt="again and again", max_tokens=12,
+                                 temperature=0, presence_penalty=1.5, frequency_penalty=0.5,
+                                 extra_body=dict(repetition_penalty=1.5))
+    assert got.choices[0].text == want.text
+    idle(engine)
 
 
 def test_embeddings_float_and_base64_equal_the_engine(engine, oai):
@@ -189,7 +199,8 @@ BAD = [  # (route, body, status, param)
     (C, dict(model="tiny", prompt="x", logprobs=10), 400, "prompt"),  # > max_logprobs=5
     (C, dict(model="tiny", prompt="x", stop=5), 400, "stop"),
     (C, dict(model="tiny", prompt="x", seed=-1), 400, "seed"),
-    (C, dict(model="tiny", prompt="x", presence_penalty=0.5), 400, "presence_penalty"),
+    (C, dict(model="tiny", prompt="x", presence_penalty=2.5), 400, "presence_penalty"),
+    (C, dict(model="tiny", prompt="x", repetition_penalty=0), 400, "repetition_penalty"),
     (C, dict(model="tiny", prompt="x", echo=True), 400, "echo"),
     (C, dict(model="tiny", prompt="x", best_of=3), 400, "best_of"),
     (C, dict(model="tiny", prompt="x", stream="yes"), 400, "stream"),

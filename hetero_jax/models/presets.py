@@ -14,6 +14,7 @@ shipped yet: the build's model does not give readable answers within its CPU bud
 from __future__ import annotations
 
 import os
+import re
 
 from hetero_jax.models.config import ModelConfig
 from hetero_jax.models.tokenizer import ByteTokenizer
@@ -39,8 +40,32 @@ PRESETS = {
 
 def preset_config(name: str) -> ModelConfig:
     if name not in PRESETS:
-        raise ValueError(f"unknown preset {name!r}; available: {', '.join(PRESETS)}")
+        raise ValueError(f"unknown preset {name!r}; available: {', '.join(PRESETS)}"
+                         f"{_hub_hint(name, ' (a model directory goes to from_pretrained)')}")
     return PRESETS[name]
+
+
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")  # org/name
+
+
+def _hub_hint(path: str, otherwise: str = "") -> str:
+    """What to do when `path` names a Hugging Face Hub model rather than a local directory."""
+    if not _HUB_ID.fullmatch(path) or os.path.exists(path):
+        return otherwise
+    return (f". {path!r} looks like a Hugging Face Hub id: hetero-jax fetches nothing at run "
+            f"time; download it first (huggingface-cli download {path} --local-dir DIR) and "
+            "pass DIR")
+
+
+def require_local_dir(path: str, what: str = "model") -> str:
+    """`path` if it is a local directory, else a FileNotFoundError that says so (and, for a
+    Hub id, how to download it)."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"the {what} path is a {type(path).__name__}; expected a directory")
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"{what} directory {path!r} does not exist{_hub_hint(path)}")
+    return path
 
 
 # presets whose trained weights ship in preset_weights/<name> (a model directory with its

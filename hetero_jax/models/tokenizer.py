@@ -65,6 +65,9 @@ class HFTokenizer:
         own = () if self._tok.eos_token_id is None else (self._tok.eos_token_id,)
         self.eos_token_ids = tuple(dict.fromkeys(eos_token_ids + own))
         self.special_token_ids = frozenset(self._tok.all_special_ids)
+        # what a chat template reads: its source (None: the model ships none) and specials
+        self.chat_template = getattr(self._tok, "chat_template", None)
+        self.bos_token, self.eos_token = self._tok.bos_token or "", self._tok.eos_token or ""
         # ids it can give: its length, or past it when a vocabulary file skips ids
         self.vocab_size = max(len(self._tok), max(self._tok.get_vocab().values(), default=-1) + 1)
 

@@ -1,14 +1,15 @@
 """The rows of a batch job: input rows -> requests, outputs -> output rows (no jax).
 
 In: an input file, JSONL (one JSON object a line) or Parquet (told apart by Parquet's magic
-bytes, not the name; read only when `pyarrow` is importable). A row has an `id` (a string or
-an integer) and either `embed` or `prompt` (a string, or a list of token ids); an `embed` row
-may carry `PoolingParams` fields (`pooling`, `normalize`, `truncate`, `adapter`,
-`cache_salt`), a `prompt` row `SamplingParams` fields (`max_tokens`, `temperature`, `top_k`,
-`top_p`, `seed`, `stop_token_ids`, `ignore_eos`, `logprobs`, `cache_salt`), with the same
-names, defaults and checks. A field set to null (or a Parquet null) counts as absent; any
-other field is the row's error. A `prompt` row without a `seed` samples with `row_seed(id)`,
-so its tokens depend on the row alone, not on where it runs or what runs beside it.
+bytes, not the name; read only when `pyarrow` is importable). A row has an `id` (a string or an
+integer) and either `embed` or `prompt` (a string, or a list of token ids); an `embed` row may
+carry `PoolingParams` fields (`pooling`, `normalize`, `truncate`, `adapter`, `cache_salt`), a
+`prompt` row `SamplingParams` fields (`max_tokens`, `temperature`, `top_k`, `top_p`, `seed`,
+`stop_token_ids`, `ignore_eos`, `logprobs`, `cache_salt`, `stop` and the penalties; not `n`: a
+row is one sample), with the same names, defaults and checks. A field set to null (or a Parquet
+null) counts as absent; any other field is the row's error. A `prompt` row without a `seed`
+samples with `row_seed(id)`, so its tokens depend on the row alone, not on where it runs or
+what runs beside it.
 
 Out: `read_rows` yields an `InputRow` per row in file order (its 1-based line in JSONL, row
 in Parquet), with its request or the reason it has none; `output_row` turns an engine output
@@ -38,8 +39,8 @@ from hetero_jax.outputs import EmbeddingOutput
 from hetero_jax.requests import EmbedRequest, GenerateRequest, PoolingParams, SamplingParams
 
 KINDS = {"embed": (EmbedRequest, PoolingParams), "prompt": (GenerateRequest, SamplingParams)}
-PARAM_FIELDS = {kind: tuple(f.name for f in dataclasses.fields(params))
-                for kind, (_, params) in KINDS.items()}
+PARAM_FIELDS = {kind: tuple(f.name for f in dataclasses.fields(params) if f.name != "n")
+                for kind, (_, params) in KINDS.items()}  # a row is one sample: no `n`
 PARQUET_MAGIC = b"PAR1"
 PARQUET_BATCH_ROWS = 1024
 MAX_ROW_BYTES = 16 * 2**20  # a longer JSONL line is that row's error (its bytes are skipped)
@@ -273,7 +274,7 @@ def make_request(row_id, fields: dict, seed: int = 0) -> EmbedRequest | Generate
     text = fields.pop(kind)
     unknown = sorted(set(fields) - set(PARAM_FIELDS[kind]))
     if unknown:
-        hint = " (stop strings are not supported: use stop_token_ids)" if "stop" in unknown else ""
+        hint = " (a row is one sample: one row per sample)" if "n" in unknown else ""
         raise ValueError(f"unknown field{'s' if len(unknown) > 1 else ''} "
                          f"{', '.join(map(repr, unknown))} for a {kind!r} row; expected "
                          f"{', '.join(PARAM_FIELDS[kind])}{hint}")

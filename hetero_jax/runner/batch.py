@@ -61,7 +61,9 @@ def batch_spec(cfg: EngineConfig, t: int, s: int, sc: int, p: int, second: int) 
                             if is_cascade((t, s, sc, p, second)) else None),
         sample_rows=i32(s),
         knobs=SamplingKnobs(temperature=f32(s), top_k=i32(s), top_p=f32(s),
-                            seed=jax.ShapeDtypeStruct((s,), jnp.uint32), step=i32(s)),
+                            seed=jax.ShapeDtypeStruct((s,), jnp.uint32), step=i32(s),
+                            presence=f32(s), frequency=f32(s), repetition=f32(s),
+                            kv_len=i32(s), prompt_len=i32(s)),
         pool=pooler.PoolBatch(token_slot=i32(t), item_slot=i32(sc), item_last_row=i32(sc),
                               item_first_chunk=bool_(sc), kind=i32(sc), normalize=bool_(sc),
                               item_length=i32(sc), item_hit_pages=i32(sc)),
@@ -75,15 +77,21 @@ def variant_of(items: list, cfg: EngineConfig, plan: tuple | None = None) -> tup
 
 
 def _pack_sampling(items: list, s: int) -> SamplingKnobs:
-    temperature, top_p = np.zeros(s, np.float32), np.ones(s, np.float32)
-    top_k, step_idx, seed = np.zeros(s, np.int32), np.zeros(s, np.int32), np.zeros(s, np.uint32)
+    temperature, presence, frequency = (np.zeros(s, np.float32) for _ in range(3))
+    top_p, repetition = np.ones(s, np.float32), np.ones(s, np.float32)
+    top_k, step_idx, kv_len, prompt_len = (np.zeros(s, np.int32) for _ in range(4))
+    seed = np.zeros(s, np.uint32)
     for i, it in enumerate(items):
         if it.kind != EMBED:
             k = it.knobs
             temperature[i], top_k[i], top_p[i] = k.temperature, k.top_k, k.top_p
             seed[i], step_idx[i] = k.seed, it.num_output_tokens
+            presence[i], frequency[i], repetition[i] = k.presence, k.frequency, k.repetition
+            kv_len[i] = it.start + it.num_tokens
+            prompt_len[i] = kv_len[i] - it.num_output_tokens
     return SamplingKnobs(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                         step=step_idx)
+                         step=step_idx, presence=presence, frequency=frequency,
+                         repetition=repetition, kv_len=kv_len, prompt_len=prompt_len)
 
 
 def _pack_pooling(items: list, rows: list, t: int, sc: int, dummy: int,

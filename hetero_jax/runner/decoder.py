@@ -47,6 +47,7 @@ class DeviceState:
     kv: llama.KVCache
     pool: pooler.PoolerState
     sidecar: pooler.PageSidecar | None  # with prefix caching: pooler sums per KV page
+    tokens: jax.Array  # [num_pages * page_size] int32: each KV slot's token id (penalties)
 
 
 def step(params, state: DeviceState, batch: StepBatch, *, model_cfg: ModelConfig,
@@ -75,7 +76,9 @@ def step(params, state: DeviceState, batch: StepBatch, *, model_cfg: ModelConfig
                              state.kv, meta, batch.adapter_ids)  # [T, d]
     logits = model.apply({"params": params}, hidden[batch.sample_rows],
                          method=llama.LlamaModel.logits)  # [S, V]
-    rows = sample(logits, batch.knobs, layout.num_logprobs)  # [S, 2 + 2K]
+    tokens = state.tokens.at[batch.slots].set(batch.tokens)
+    rows = sample(logits, batch.knobs, layout.num_logprobs, tokens, batch.meta.page_indices,
+                  page_size)  # [S, 2 + 2K]
     pool, vectors, side = state.pool, None, state.sidecar
     if layout.num_chunk_seqs:
         pool, vectors = pooler.update(
@@ -83,7 +86,7 @@ def step(params, state: DeviceState, batch: StepBatch, *, model_cfg: ModelConfig
             batch.meta.page_indices[:layout.num_chunk_seqs], page_size)
     if side is not None:
         side = pooler.write_sidecar(side, hidden, batch.positions, batch.slots, page_size)
-    return DeviceState(kv, pool, side), layout.pack(rows, vectors)
+    return DeviceState(kv, pool, side, tokens), layout.pack(rows, vectors)
 
 
 def zero_state(model_cfg: ModelConfig, cfg: EngineConfig) -> DeviceState:
@@ -94,7 +97,8 @@ def zero_state(model_cfg: ModelConfig, cfg: EngineConfig) -> DeviceState:
         pool=pooler.PoolerState.zeros(cfg.max_num_seqs, model_cfg.hidden_size,
                                       cfg.max_model_len if cfg.buffered_head else 1),
         sidecar=pooler.PageSidecar.zeros(cfg.num_pages, model_cfg.hidden_size)
-        if cfg.prefix_caching else None)
+        if cfg.prefix_caching else None,
+        tokens=jnp.zeros(cfg.num_pages * cfg.page_size, jnp.int32))
 
 
 def layout_of(model_cfg: ModelConfig, cfg: EngineConfig, key: tuple) -> PackedLayout:

@@ -56,6 +56,8 @@ def memory_items(model: ModelConfig, cfg: EngineConfig, itemsize: int) -> list:
                    "device"),
         MemoryItem(pages, "the scheduler's page table", cfg.num_pages * PAGE_BOOKKEEPING_BYTES,
                    "host"),
+        MemoryItem(pages, "the token table (the penalties' history)",
+                   cfg.num_pages * cfg.page_size * 4, "device"),
         MemoryItem(f"max_num_seqs={cfg.max_num_seqs} (hidden_size={d}, buffered_head "
                    f"{'on' if cfg.buffered_head else 'off'})", "the pooler slots",
                    (cfg.max_num_seqs + 1) * d * F32 * (5 + buffer_len), "device"),

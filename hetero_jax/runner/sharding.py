@@ -158,7 +158,7 @@ def state_shardings(mesh: Mesh, state: DeviceState) -> DeviceState:
     kv = NamedSharding(mesh, KV_SPEC)
     return DeviceState(llama.KVCache(kv, kv), jax.tree.map(lambda _: replicated, state.pool),
                        None if state.sidecar is None else
-                       jax.tree.map(lambda _: replicated, state.sidecar))
+                       jax.tree.map(lambda _: replicated, state.sidecar), replicated)
 
 
 def shard_attention(attn_fn, mesh: Mesh):

@@ -28,6 +28,13 @@ class GenKnobs:
     top_p: float
     seed: int
     logprobs: int | None
+    presence: float = 0.0  # vLLM's penalties (0, 0, 1: off)
+    frequency: float = 0.0
+    repetition: float = 1.0
+
+    @property
+    def penalized(self) -> bool:
+        return bool(self.presence or self.frequency or self.repetition != 1.0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,6 +77,12 @@ class Request:
     finish_time: float | None = None
     embedding: object = None  # the pooled vector of a finished embedding request
     error: Exception | None = None  # why the engine failed it (finish_reason "error")
+    # Stop strings (generation): checked by the engine on the text decoded so far, `text` of
+    # the first `text_read` output ids; `stop_at` is where a stop string cut it (None: none).
+    stop_strings: tuple = ()
+    text: str = ""
+    text_read: int = 0
+    stop_at: int | None = None
     # Prefix caching: the chain seed (None: this request neither looks up nor registers pages),
     # the digests of its full pages so far, and how many of them are registered / were hit.
     cache_seed: bytes | None = None

@@ -76,8 +76,11 @@ class CascadeSettings:
 
     def plan(self, items: list, page_size: int) -> tuple | None:
         """`plan_tiles` for a step of `items` (`ScheduledItem`s), or None (plain attention):
-        only decode-only steps of at least two sequences are planned."""
+        only decode-only steps of at least two sequences, none penalized (the penalties read
+        whole page tables), are planned."""
         if not self.rows or len(items) < 2 or any(it.kind != DECODE for it in items):
+            return None
+        if any(it.knobs.penalized for it in items):
             return None
         return plan_tiles([it.pages for it in items], [it.start + 1 for it in items], page_size,
                           *self.tiles(len(items)), self.min_saved_pages)

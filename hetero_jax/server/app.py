@@ -26,8 +26,9 @@ from starlette.exceptions import HTTPException
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from hetero_jax.outputs import RequestError
+from hetero_jax.requests import sample_seed
 from hetero_jax.server import openai_format as fmt
-from hetero_jax.server.chat import DEFAULT_TEMPLATE, ChatTemplate
+from hetero_jax.server.chat import DEFAULT_TEMPLATE, ChatTemplate, special_tokens
 from hetero_jax.server.errors import ApiError, as_api_error, error_body
 from hetero_jax.server.generation import choice_pieces, merged
 from hetero_jax.server.metrics import Counters, prometheus_text
@@ -57,9 +58,8 @@ class _State:
 def build_app(client, config: ServerConfig) -> FastAPI:
     """The server's routes over `client` (an EngineClient); uvicorn runs the returned app."""
     app = FastAPI(title="hetero-jax", docs_url=None, redoc_url=None, openapi_url=None)
-    tok = client.tokenizer
-    special = dict(bos_token=_special(tok, "bos_token"), eos_token=_special(tok, "eos_token"))
-    state = _State(client, config, ChatTemplate(config.chat_template, **special), Counters())
+    state = _State(client, config, ChatTemplate(config.chat_template,
+                                                 **special_tokens(client.tokenizer)), Counters())
     app.state.server = state
 
     @app.exception_handler(HTTPException)
@@ -88,9 +88,6 @@ def build_app(client, config: ServerConfig) -> FastAPI:
     return app
 
 
-def _special(tokenizer, name: str) -> str:
-    value = getattr(tokenizer, name, "") if tokenizer is not None else ""
-    return value if isinstance(value, str) else ""
 
 
 async def _serve(state: _State, request: Request, model_cls, handler) -> Response:
@@ -163,17 +160,13 @@ def _routes() -> list:
 
 
 # -- completions and chat --------------------------------------------------------------------
-def _stops(stop) -> list:
-    return [] if stop is None else [stop] if isinstance(stop, str) else list(stop)
-
-
 async def _completion(state: _State, request: Request, req: CompletionRequest) -> Response:
     if req.best_of is not None and req.best_of != req.n:
         raise ApiError(400, f"best_of={req.best_of} must equal n={req.n} (no ranking here)",
                        "best_of", "unsupported")
     prompts = fmt.inputs_of(req.prompt, "prompt")
     max_tokens = req.max_tokens or fmt.COMPLETION_MAX_TOKENS
-    choices = [(p, fmt.sampling_params(req, max_tokens, req.logprobs, fmt.choice_seed(req.seed, j)))
+    choices = [(p, fmt.sampling_params(req, max_tokens, req.logprobs, sample_seed(req.seed, j)))
                for p in prompts for j in range(req.n)]
     return await _generate(state, request, req, "text_completion", f"cmpl-{_uid()}", choices)
 
@@ -191,7 +184,7 @@ async def _chat(state: _State, request: Request, req: ChatRequest) -> Response:
         state.client.max_model_len - len(tokenizer.encode(prompt)), 1)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     choices = [(prompt, fmt.sampling_params(req, max_tokens, logprobs,
-                                            fmt.choice_seed(req.seed, j))) for j in range(req.n)]
+                                            sample_seed(req.seed, j))) for j in range(req.n)]
     return await _generate(state, request, req, "chat.completion", f"chatcmpl-{_uid()}",
                            choices)
 
@@ -202,7 +195,7 @@ def _uid() -> str:
 
 async def _generate(state, request, req, kind: str, rid: str, choices: list) -> Response:
     """Run every choice; a whole body, or (`stream`) server-sent events of chunks."""
-    streams = [choice_pieces(state.client, prompt, params, f"{rid}-{i}", _stops(req.stop))
+    streams = [choice_pieces(state.client, prompt, params, f"{rid}-{i}")
                for i, (prompt, params) in enumerate(choices)]
     pieces = merged(streams)
     try:

@@ -59,5 +59,21 @@ class ChatTemplate:
                                               f"{e}") from e
 
 
+def special_tokens(tokenizer) -> dict:
+    """The bos/eos strings a template may print (empty where the tokenizer has none)."""
+    def text(name: str) -> str:
+        value = getattr(tokenizer, name, "") if tokenizer is not None else ""
+        return value if isinstance(value, str) else ""
+    return dict(bos_token=text("bos_token"), eos_token=text("eos_token"))
+
+
+def template_of(tokenizer) -> ChatTemplate:
+    """The tokenizer's own chat template (transformers reads it from the model directory),
+    else `DEFAULT_TEMPLATE`, with its special tokens."""
+    source = getattr(tokenizer, "chat_template", None) if tokenizer is not None else None
+    return ChatTemplate(source if isinstance(source, str) else DEFAULT_TEMPLATE,
+                        **special_tokens(tokenizer))
+
+
 def _raise(message: str):
     raise TemplateError(message)

@@ -1,10 +1,9 @@
 """One choice of a completion as a stream of pieces, with stop strings; many choices as one.
 
-In: an `EngineClient`, a prompt, `SamplingParams` and the request's stop strings. Out:
-`Piece`s, each the text a step added (held back while it could still begin a stop string),
-its token ids and log-probs, the last with the finish reason and the prompt's token count.
-A stop string ends the choice there: the text is cut before it, `finish_reason="stop"`, and
-leaving the stream aborts the rest of the request in the engine. `merged` interleaves several
+In: an `EngineClient`, a prompt and `SamplingParams` (with the request's stop strings, which
+the engine checks). Out: `Piece`s, each the text a step added, its token ids and log-probs,
+the last with the finish reason and the prompt's token count. Leaving the stream aborts the
+rest of the request in the engine. `merged` interleaves several
 choices' pieces as they come; closing it closes every choice (each aborts its request).
 """
 from __future__ import annotations
@@ -26,44 +25,20 @@ class Piece:
     prompt_tokens: int = 0  # on the last piece
 
 
-class StopFilter:
-    """Text deltas in, text safe to send out: nothing that could still begin a stop string."""
-
-    def __init__(self, stops: list):
-        self.stops = [s for s in stops if s]
-        self.hold = max((len(s) for s in self.stops), default=1) - 1
-        self.text, self.sent = "", 0  # everything seen; how much of it went out
-
-    def feed(self, delta: str, last: bool) -> tuple[str, bool]:
-        """-> (text to send now, whether a stop string was found)."""
-        self.text += delta
-        cut = min((i for i in (self.text.find(s, max(self.sent - self.hold, 0))
-                               for s in self.stops) if i >= 0), default=-1)
-        if cut >= 0:
-            out, self.sent = self.text[self.sent:cut], cut
-            return out, True
-        end = len(self.text) if last else max(len(self.text) - self.hold, self.sent)
-        out, self.sent = self.text[self.sent:end], end
-        return out, False
-
-
-async def choice_pieces(client, prompt, params: SamplingParams, request_id,
-                        stops: list) -> AsyncIterator[Piece]:
-    """One generation as `Piece`s; raises what the client raises (RequestError, ...)."""
-    stop = StopFilter(stops)
+async def choice_pieces(client, prompt, params: SamplingParams,
+                        request_id) -> AsyncIterator[Piece]:
+    """One generation as `Piece`s; raises what the client raises (RequestError, ...). Stop
+    strings travel in `params`: the engine ends the request at one and never streams text
+    that could begin one (`serving.detokenize`)."""
     stream = client.generate(prompt, params, request_id=request_id)
     async with contextlib.aclosing(stream):
         async for d in stream:
-            text, stopped = stop.feed(d.text, d.finished)
-            if stopped:
-                yield Piece(text, d.token_ids, d.logprobs, "stop", d.prompt_tokens)
-                return
             if d.finished:
-                yield Piece(text, d.token_ids, d.logprobs, d.output.finish_reason,
+                yield Piece(d.text, d.token_ids, d.logprobs, d.output.finish_reason,
                             d.prompt_tokens)
                 return
-            if text or d.token_ids:
-                yield Piece(text, d.token_ids, d.logprobs)
+            if d.text or d.token_ids:
+                yield Piece(d.text, d.token_ids, d.logprobs)
 
 
 async def merged(streams: list) -> AsyncIterator[tuple[int, Piece]]:

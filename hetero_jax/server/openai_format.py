@@ -34,14 +34,12 @@ def sampling_params(req, max_tokens: int, logprobs: int | None, seed: int | None
         return SamplingParams(max_tokens=max_tokens, temperature=req.temperature,
                               top_k=req.top_k, top_p=req.top_p, seed=seed,
                               ignore_eos=req.ignore_eos, logprobs=logprobs,
-                              cache_salt=req.cache_salt)
+                              cache_salt=req.cache_salt, stop=req.stop,
+                              presence_penalty=req.presence_penalty,
+                              frequency_penalty=req.frequency_penalty,
+                              repetition_penalty=req.repetition_penalty)
     except ValueError as e:
         raise RequestError(0, "params", str(e)) from e
-
-
-def choice_seed(seed: int | None, choice: int) -> int | None:
-    """Choice j of a seeded request samples with seed + j (None: the engine picks)."""
-    return None if seed is None else (seed + choice) % 2**32
 
 
 def pooling_params(req) -> PoolingParams:

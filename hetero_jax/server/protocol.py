@@ -1,12 +1,13 @@
 """The OpenAI request bodies the server accepts, as pydantic models (imports no jax).
 
 In: the JSON body of a request. Out: a checked model, or a pydantic `ValidationError` that
-`errors.py` answers with 400 and the first field at fault. Types are strict (a string is not
-a number, a float is not an integer); an unknown field is refused, so a misspelt knob is an
-error rather than silently ignored. Fields of the OpenAI API this engine does not implement
-(penalties, `logit_bias`, `echo`, `suffix`, `best_of` other than `n`, tools) are accepted only
-at their neutral value. Extra, documented fields: `top_k`, `ignore_eos`, `cache_salt` and
-`return_token_ids` for generation; `pooling`, `normalize`, `truncate`, `adapter` and `cache_salt` for embeddings.
+`errors.py` answers with 400 and the first field at fault. Types are strict (a string is not a
+number, a float is not an integer); an unknown field is refused, so a misspelt knob is an error
+rather than silently ignored. Fields of the OpenAI API this engine does not implement
+(`logit_bias`, `echo`, `suffix`, `best_of` other than `n`, tools) are accepted only at their
+neutral value. Extra, documented fields: `top_k`, `repetition_penalty`, `ignore_eos`,
+`cache_salt` and `return_token_ids` for generation; `pooling`, `normalize`, `truncate`,
+`adapter` and `cache_salt` for embeddings.
 """
 from __future__ import annotations
 
@@ -38,8 +39,9 @@ class SamplingFields(StrictModel):
     seed: StrictInt | None = Field(None, ge=0, le=2**32 - 1)
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: Literal[0, 0.0] = 0
-    frequency_penalty: Literal[0, 0.0] = 0
+    presence_penalty: Number = Field(0, ge=-2, le=2)
+    frequency_penalty: Number = Field(0, ge=-2, le=2)
+    repetition_penalty: Number = Field(1, gt=0)  # extra, as in vLLM
     logit_bias: dict[str, Number] | None = Field(None, max_length=0)
     user: StrictStr | None = None
     top_k: StrictInt = Field(0, ge=0)  # extra: 0 means all tokens

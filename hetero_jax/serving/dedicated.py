@@ -31,7 +31,7 @@ from hetero_jax.models.presets import preset_config
 from hetero_jax.outputs import RequestError
 from hetero_jax.requests import EmbedRequest
 from hetero_jax.serving.batch_api import BatchAPI
-from hetero_jax.serving.input_processor import check_request_type, default_seed
+from hetero_jax.serving.input_processor import check_request_type, default_seed, expand_samples
 from hetero_jax.serving.output_processor import renumbered
 from hetero_jax.serving.processes import (ModelSource, child_env, described_error, remote_error,
                                           stop_workers)
@@ -154,7 +154,7 @@ class DedicatedEngine(BatchAPI):
         """Embedding requests to one worker, generation requests to the other, at once;
         outputs in input order. `use_tqdm` is accepted for API parity and ignored."""
         start = time.perf_counter()
-        requests = list(requests)
+        requests = expand_samples(list(requests))
         split = {EMBED_ROLE: [], GEN_ROLE: []}  # role -> [(index, request)]
         for i, r in enumerate(requests):
             check_request_type(i, r)

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from hetero_jax.models.formats.hf_bert import load_bert
 from hetero_jax.models.formats.sentence_transformers import (read_max_seq_length,
                                                              read_sentence_transformers_pooling)
+from hetero_jax.models.presets import require_local_dir
 from hetero_jax.models.tokenizer import load_tokenizer
 from hetero_jax.runner.encoder import EncoderRunner
 
@@ -29,7 +30,7 @@ class SeparateEncoder:
 
     @classmethod
     def from_pretrained(cls, model_dir: str, dtype=jnp.float32) -> "SeparateEncoder":
-        cfg, params = load_bert(model_dir, dtype)
+        cfg, params = load_bert(require_local_dir(model_dir, "embedding model"), dtype)
         pooling, normalize = read_sentence_transformers_pooling(model_dir)
         limit = min(read_max_seq_length(model_dir) or cfg.max_position_embeddings,
                     cfg.max_position_embeddings)

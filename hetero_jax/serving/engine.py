@@ -33,7 +33,7 @@ from hetero_jax.models.config import ModelConfig
 from hetero_jax.models.formats.hf_llama import load_params, read_model_config
 from hetero_jax.models.formats.peft import load_adapter
 from hetero_jax.models.layers import stack_layers
-from hetero_jax.models.presets import preset_config, preset_dir
+from hetero_jax.models.presets import preset_config, preset_dir, require_local_dir
 from hetero_jax.models.tokenizer import ByteTokenizer, load_tokenizer
 from hetero_jax.outputs import EngineStats
 from hetero_jax.runner.batch import pack_batch
@@ -43,10 +43,10 @@ from hetero_jax.runner.sharding import ShardedDecoderRunner, check_tensor_parall
     restore_targets, unexpand_kv_heads
 from hetero_jax.sched import RunnerOutput, Scheduler
 from hetero_jax.sched.hashing import chain_seed
-from hetero_jax.serving import checkpoint
+from hetero_jax.serving import checkpoint, detokenize
 from hetero_jax.serving.batch_api import BatchAPI
 from hetero_jax.serving.encoder import SeparateEncoder
-from hetero_jax.serving.input_processor import EmbeddingModel, InputProcessor
+from hetero_jax.serving.input_processor import EmbeddingModel, InputProcessor, expand_samples
 from hetero_jax.serving.output_processor import error_output, make_output
 
 
@@ -140,13 +140,14 @@ class Engine(BatchAPI):
         """
         config = config_or_default(config)
         dtype = _dtype(config)
-        model_cfg = read_model_config(path)
+        model_cfg = read_model_config(require_local_dir(path))
         _check_tensor_parallel(model_cfg, config)  # before the weights are read
         _resolved(model_cfg, config)  # and the sizes against memory
         params = load_params(path, model_cfg, dtype, on_host=config.tensor_parallel > 1)
         encoder = SeparateEncoder.from_pretrained(embed_model, dtype) if embed_model else None
         dirs = {"default": embed_adapter} if isinstance(embed_adapter, str) else embed_adapter
-        adapters = {name: load_adapter(d, model_cfg, dtype) for name, d in (dirs or {}).items()}
+        adapters = {name: load_adapter(require_local_dir(d, "adapter"), model_cfg, dtype)
+                    for name, d in (dirs or {}).items()}
         return cls(model_cfg, params, load_tokenizer(path, model_cfg.eos_token_ids,
                                                        model_cfg.vocab_size), config,
                    encoder, adapters)
@@ -182,7 +183,8 @@ class Engine(BatchAPI):
 
     def run(self, requests: list, use_tqdm: bool = True) -> list:
         """Serve a mix of GenerateRequest and EmbedRequest together in heterogeneous steps;
-        outputs (RequestOutput / EmbeddingOutput) come back in input order.
+        outputs (RequestOutput / EmbeddingOutput) come back in input order, `n` of them in a
+        row for a GenerateRequest with `SamplingParams(n=...)`.
 
         Calls from several threads take turns (one batch at a time). A request the engine
         fails after validation comes back with `finish_reason="error"` and its `error`; the
@@ -192,7 +194,7 @@ class Engine(BatchAPI):
             if self.scheduler.has_work():
                 raise RuntimeError("the engine is serving other requests (an AsyncEngine's, or "
                                    "a step-wise caller's): use that front, or wait for them")
-            reqs = self.add(requests)
+            reqs = self.add(expand_samples(requests))
             bar = tqdm(total=len(reqs), desc="requests", unit="req", disable=not use_tqdm)
             start, tokens0 = time.perf_counter(), self.stats.generated_tokens
             try:
@@ -250,8 +252,25 @@ class Engine(BatchAPI):
             finished = self.scheduler.update(out, runner_out, time.perf_counter())
             self._account(out, runner_out)
             live = self.scheduler.requests
-            return StepOutput(failed + finished,
-                              [live[rid] for rid in runner_out.sampled if rid in live])
+            return self._stop_strings(failed + finished,
+                                      [live[rid] for rid in runner_out.sampled if rid in live])
+
+    def _stop_strings(self, finished: list, progressed: list) -> StepOutput:
+        """The step's output after its requests' stop strings (`detokenize.scan`): one whose
+        text now holds one ends here, `finish_reason="stop"`; a finished one keeps its
+        reason unless its last token completed a stop string."""
+        for req in finished:
+            if req.error is None and detokenize.scan(req, self.tokenizer):
+                req.finish_reason = "stop"
+        going = []
+        for req in progressed:
+            if detokenize.scan(req, self.tokenizer):
+                self.scheduler.abort(req.request_id)
+                req.finish_reason, req.finish_time = "stop", time.perf_counter()
+                finished.append(req)
+            else:
+                going.append(req)
+        return StepOutput(finished, going)
 
     def queue_counts(self) -> tuple[dict, dict]:
         """(waiting, running): request counts by kind ("generate", "embed"); callable from

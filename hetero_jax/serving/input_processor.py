@@ -21,7 +21,7 @@ from hetero_jax.config import EngineConfig
 from hetero_jax.models.config import ModelConfig
 from hetero_jax.outputs import RequestError
 from hetero_jax.requests import (POOLING_KINDS, EmbedRequest, GenerateRequest, PoolingParams,
-                                 SamplingParams, described)
+                                 SamplingParams, described, sample_seed)
 from hetero_jax.sched import EMBED, EmbedKnobs, GenKnobs, Request
 from hetero_jax.sched.hashing import chain_seed
 
@@ -42,6 +42,36 @@ def check_request_type(index: int, request) -> None:
     if not isinstance(request.params, want):
         raise TypeError(f"request {index}: {type(request).__name__}.params is a "
                         f"{type(request.params).__name__}; expected {want.__name__}")
+
+
+def check_generation(index: int, sp: SamplingParams, max_model_len: int, tokenizer) -> None:
+    """What a generation's knobs ask beyond the engine: a max_tokens no prompt leaves room
+    for, stop strings without a tokenizer, n > 1 outside a batch call."""
+    if sp.max_tokens >= max_model_len:
+        raise RequestError.naming("prompt", index, f": max_tokens={sp.max_tokens} exceeds "
+                                  f"max_model_len={max_model_len} (prompt and output together; "
+                                  f"at most {max_model_len - 1})", "max_tokens")
+    if sp.stop and tokenizer is None:
+        raise RequestError.naming("prompt", index, ": stop strings need a tokenizer (this "
+                                  "model has none; use stop_token_ids)", "stop")
+    if sp.n > 1:
+        raise RequestError.naming("prompt", index, f": n={sp.n} is served by generate() and "
+                                  "run(), which return n outputs per prompt; a streaming front "
+                                  "takes n=1 per stream", "n")
+
+
+def expand_samples(requests: list) -> list:
+    """Each GenerateRequest with `n` > 1 as n requests of n=1 in its place (prompt-major), the
+    j-th seeded with `sample_seed(seed, j)`; they share the prompt's cached pages."""
+    out = []
+    for r in requests:
+        if isinstance(r, GenerateRequest) and isinstance(r.params, SamplingParams) \
+                and r.params.n > 1:
+            out += [GenerateRequest(r.prompt, dataclasses.replace(
+                r.params, n=1, seed=sample_seed(r.params.seed, j))) for j in range(r.params.n)]
+        else:
+            out.append(r)
+    return out
 
 
 def _ids_of(index: int, text, kind: str) -> list:
@@ -146,12 +176,16 @@ class InputProcessor:
                                       f" has {len(ids)} tokens; "
                                       f"max_model_len={self.config.max_model_len} leaves no room "
                                       "to generate")
+        check_generation(index, sp, self.config.max_model_len, self.tokenizer)
         eos = () if sp.ignore_eos else self.model_cfg.eos_token_ids
         seed = sp.seed if sp.seed is not None else default_seed(self.config.seed, request_id)
         return Request(request_id=request_id, prompt_token_ids=ids, max_tokens=sp.max_tokens,
                        stop_token_ids=frozenset(sp.stop_token_ids) | frozenset(eos),
                        arrival_time=time.perf_counter(), cache_seed=self._cache_seed(sp.cache_salt),
-                       knobs=GenKnobs(sp.temperature, sp.top_k, sp.top_p, seed, sp.logprobs))
+                       knobs=GenKnobs(sp.temperature, sp.top_k, sp.top_p, seed, sp.logprobs,
+                                      sp.presence_penalty, sp.frequency_penalty,
+                                      sp.repetition_penalty),
+                       stop_strings=sp.stop)
 
     def _embed(self, index: int, request_id: int, r: EmbedRequest) -> Request:
         pp, model = r.params, self.embedding

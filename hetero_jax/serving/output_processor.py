@@ -13,6 +13,7 @@ import dataclasses
 
 from hetero_jax.outputs import EmbeddingOutput, GenerateDelta, RequestOutput
 from hetero_jax.sched import Request
+from hetero_jax.serving.detokenize import safe_text, text_delta
 
 
 def _since_arrival(req: Request, t: float | None) -> float | None:
@@ -28,6 +29,8 @@ def make_output(req: Request, tokenizer) -> RequestOutput | EmbeddingOutput:
                                    cached_tokens=req.num_cached_tokens))
     logprobs = _logprobs(req, 0)
     text = tokenizer.decode(req.output_token_ids) if tokenizer else None
+    if req.stop_at is not None:
+        text = req.text[:req.stop_at]
     metrics = dict(arrival_time=req.arrival_time, first_token_time=req.first_token_time,
                    finish_time=req.finish_time,
                    ttft_s=_since_arrival(req, req.first_token_time),
@@ -45,28 +48,16 @@ def _logprobs(req: Request, start: int) -> list | None:
         for t in req.output_logprobs[start:]]
 
 
-_WINDOW = 6  # ids decoded again before the new ones: a character spans at most 4 bytes
-
-
-def text_delta(tokenizer, token_ids: list, read: int) -> tuple[str, int]:
-    """The text `token_ids` add past their first `read` ids (whose text went out already), and
-    the new `read`: ("", read) while the text ends in an incomplete character (U+FFFD). Only a
-    window of a few ids before `read` is decoded again, not every id, so a step costs each
-    stream O(1) rather than O(its length) (incremental detokenizing, as vLLM's)."""
-    if tokenizer is None:
-        return "", read
-    start = max(read - _WINDOW, 0)
-    old, new = tokenizer.decode(token_ids[start:read]), tokenizer.decode(token_ids[start:])
-    if new.endswith("\ufffd") or not new.startswith(old):
-        return "", read
-    return new[len(old):], len(token_ids)
-
-
 def delta(req: Request, num_sent: int, read: int, tokenizer, request_id) -> tuple:
-    """What a running generation added since its first `num_sent` ids (the text of its first
-    `read` ids already sent) -> (the delta, the new `read`)."""
+    """What a running generation added since its first `num_sent` ids -> (the delta, the new
+    `read`). `read` is the front's cursor into the text already sent: the ids whose text went
+    out, or, for a request with stop strings, the characters of its `safe_text`."""
     ids = req.output_token_ids
-    text, read = text_delta(tokenizer, ids, read)
+    if req.stop_strings:
+        safe = safe_text(req)
+        text, read = safe[read:], len(safe)
+    else:
+        text, read = text_delta(tokenizer, ids, read)
     return GenerateDelta(request_id, list(ids[num_sent:]), text, _logprobs(req, num_sent),
                          prompt_tokens=len(req.prompt_token_ids)), read
 

@@ -22,7 +22,7 @@ import time
 
 from hetero_jax.outputs import EngineStats, RequestError, RequestResult, sum_stats
 from hetero_jax.serving.batch_api import BatchAPI
-from hetero_jax.serving.input_processor import check_request_type
+from hetero_jax.serving.input_processor import check_request_type, expand_samples
 from hetero_jax.serving.output_processor import renumbered
 from hetero_jax.serving.placement import Placement, error_output
 
@@ -84,14 +84,14 @@ class RoutedReplicas(BatchAPI):
         return {f"replica {i}": s for i, s in enumerate(self.replica_stats)}
 
     def run(self, requests: list, use_tqdm: bool = True) -> list:
-        """Serve the requests on the replicas; outputs in input order. A request the checks
-        refuse raises, naming its index (the others are aborted); one that fails running,
-        or whose replica dies, comes back with `finish_reason="error"`. `use_tqdm` is
-        accepted for API parity and ignored."""
+        """Serve the requests on the replicas; outputs in input order (`n` in a row for
+        `SamplingParams(n=...)`). A request the checks refuse raises, naming its index (the
+        others are aborted); one that fails running, or whose replica dies, comes back with
+        `finish_reason="error"`. `use_tqdm` is accepted for API parity and ignored."""
         if self._flights:
             raise RuntimeError(f"the replicas are serving {len(self._flights)} other requests "
                                "(an AsyncReplicas' or a front's): use that front, or wait")
-        tags = self.submit(list(requests))
+        tags = self.submit(expand_samples(list(requests)))  # n samples: n requests
         results: dict = {}
         try:
             while len(results) < len(tags):
