@@ -2,7 +2,7 @@
 import pytest
 
 from hetero_jax.models.tokenizer import ByteTokenizer
-from hetero_jax.serving.detokenize import text_delta
+from hetero_jax.models.detokenize import text_delta
 
 
 @pytest.mark.parametrize("text", ["plain ascii", "héllo ✓ 日本語 🙂 done", "🙂" * 5])

@@ -29,7 +29,7 @@ async def choice_pieces(client, prompt, params: SamplingParams,
                         request_id) -> AsyncIterator[Piece]:
     """One generation as `Piece`s; raises what the client raises (RequestError, ...). Stop
     strings travel in `params`: the engine ends the request at one and never streams text
-    that could begin one (`serving.detokenize`)."""
+    that could begin one (`models.detokenize`)."""
     stream = client.generate(prompt, params, request_id=request_id)
     async with contextlib.aclosing(stream):
         async for d in stream:

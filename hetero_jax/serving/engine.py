@@ -28,7 +28,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from hetero_jax.config import EngineConfig, config_or_default
-from hetero_jax.models import llama, lora
+from hetero_jax.models import detokenize, llama, lora
 from hetero_jax.models.config import ModelConfig
 from hetero_jax.models.formats.hf_llama import load_params, read_model_config
 from hetero_jax.models.formats.peft import load_adapter
@@ -43,7 +43,7 @@ from hetero_jax.runner.sharding import ShardedDecoderRunner, check_tensor_parall
     restore_targets, unexpand_kv_heads
 from hetero_jax.sched import RunnerOutput, Scheduler
 from hetero_jax.sched.hashing import chain_seed
-from hetero_jax.serving import checkpoint, detokenize
+from hetero_jax.serving import checkpoint
 from hetero_jax.serving.batch_api import BatchAPI
 from hetero_jax.serving.encoder import SeparateEncoder
 from hetero_jax.serving.input_processor import EmbeddingModel, InputProcessor, expand_samples

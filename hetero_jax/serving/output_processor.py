@@ -13,7 +13,7 @@ import dataclasses
 
 from hetero_jax.outputs import EmbeddingOutput, GenerateDelta, RequestOutput
 from hetero_jax.sched import Request
-from hetero_jax.serving.detokenize import safe_text, text_delta
+from hetero_jax.models.detokenize import safe_text, text_delta
 
 
 def _since_arrival(req: Request, t: float | None) -> float | None:
