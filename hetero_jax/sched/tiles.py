@@ -80,7 +80,7 @@ class CascadeSettings:
         whole page tables), are planned."""
         if not self.rows or len(items) < 2 or any(it.kind != DECODE for it in items):
             return None
-        if any(it.knobs.penalized for it in items):
+        if any(it.knobs is not None and it.knobs.penalized for it in items):  # None: sim
             return None
         return plan_tiles([it.pages for it in items], [it.start + 1 for it in items], page_size,
                           *self.tiles(len(items)), self.min_saved_pages)
