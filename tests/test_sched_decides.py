@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from hetero_jax.config import EngineConfig, config_or_default
-from hetero_jax.sched import DECODE, PREFILL, ScheduledItem, SchedulerConfig
+from hetero_jax.sched import DECODE, PREFILL, GenKnobs, ScheduledItem, SchedulerConfig
 from hetero_jax.sched.shapes import Buckets, pad_to_bucket, step_key
 from hetero_jax.sched.tiles import CascadeSettings, plan_tiles
 from tests.sched_fakes import drive
@@ -42,6 +42,18 @@ def test_a_decode_only_step_carries_the_plan_of_its_items():
         else:
             assert out.cascade is None, f"a step with {[it.kind for it in items]} has a plan"
     assert planned >= 3, f"{planned=}: four decodes sharing 3 pages should run as cascade"
+
+
+def test_a_step_with_a_penalized_row_is_not_planned():
+    """The penalties read each row's whole page table, so such a step runs plain attention."""
+    plain = GenKnobs(temperature=0.0, top_k=0, top_p=1.0, seed=0, logprobs=None)
+    penalized = dataclasses.replace(plain, frequency=0.5)
+    items = [ScheduledItem(request_id=i, kind=DECODE, start=47, num_tokens=1, ends=True,
+                           token_ids=(7,), pages=(1, 2, 3, 4 + i), knobs=plain)
+             for i in range(4)]
+    assert CASCADE.plan(items, PS) is not None, "four decodes sharing 3 pages are planned"
+    items[2] = dataclasses.replace(items[2], knobs=penalized)
+    assert CASCADE.plan(items, PS) is None
 
 
 def test_no_cascade_settings_no_plan_and_the_same_steps():
