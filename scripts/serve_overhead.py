@@ -25,6 +25,7 @@ from hetero_jax.bench.online_report import summarize
 from hetero_jax.server.cli import build_client
 from hetero_jax.server.cli import build_parser as serve_parser
 
+
 def cpu_s(pid: int | None) -> float:
     """CPU seconds (user + system) of process `pid` (None: this one)."""
     if pid is None:
@@ -35,11 +36,11 @@ def cpu_s(pid: int | None) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-async def one_round(sender, trace, server_pid=None) -> dict:
+async def one_round(sender, trace, slo: dict, server_pid=None) -> dict:
     await sender.open()
     before = cpu_s(None), cpu_s(server_pid) if server_pid else 0.0
     try:
-        row = summarize(await run_trace(trace, sender), slo_of(args))
+        row = summarize(await run_trace(trace, sender), slo)
     finally:
         await sender.close()
     after = cpu_s(None), cpu_s(server_pid) if server_pid else 0.0
@@ -50,14 +51,14 @@ async def one_round(sender, trace, server_pid=None) -> dict:
 async def pairs(args, argv: list) -> list:
     http = HttpSender(args.url, None, args.output_len, stream=True)
     local = ClientSender(build_client(serve_parser().parse_args(argv)), args.output_len)
-    warm = make_trace(argparse.Namespace(**dict(vars(args), requests=8)), 99)
-    await one_round(http, warm)
-    await one_round(local, warm)
+    warm, slo = make_trace(argparse.Namespace(**dict(vars(args), requests=8)), 99), slo_of(args)
+    await one_round(http, warm, slo)
+    await one_round(local, warm, slo)
     out = []
     for i in range(args.pairs):
         trace = make_trace(args, args.seed + i)
-        out.append((await one_round(http, trace, args.server_pid),
-                    await one_round(local, trace)))
+        out.append((await one_round(http, trace, slo, args.server_pid),
+                    await one_round(local, trace, slo)))
         h, p = out[-1]
         print(f"pair {i}: CPU s http {h['cpu_s']:.2f} (server {h['server_cpu_s']:.2f}) "
               f"in-process {p['cpu_s']:.2f}; req/s http {h['requests_per_s']:.2f} in-process "

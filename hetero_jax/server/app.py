@@ -9,7 +9,7 @@ handler. Any failure, there or in the handler, becomes its status and OpenAI err
 (`data: {chunk}` ... `data: [DONE]`); its first piece is awaited before the status is sent, so
 a request the engine refuses still gets its 400. A client that disconnects aborts its
 requests: a stream's generator is cancelled by the server and closes its choices, and a plain
-request is watched until it ends (`_unless_disconnected`).
+request waits on its connection's disconnect message while it runs (`_unless_disconnected`).
 """
 from __future__ import annotations
 
@@ -32,9 +32,6 @@ from hetero_jax.server.errors import ApiError, as_api_error, error_body
 from hetero_jax.server.generation import choice_pieces, merged
 from hetero_jax.server.metrics import Counters, prometheus_text
 from hetero_jax.server.protocol import ChatRequest, CompletionRequest, EmbeddingRequest
-
-DISCONNECT_POLL_S = 0.25  # how often a plain (not streamed) request checks its client
-
 
 @dataclasses.dataclass(frozen=True)
 class ServerConfig:
@@ -220,20 +217,26 @@ async def _generate(state, request, req, kind: str, rid: str, choices: list) -> 
 
 async def _unless_disconnected(state: _State, request: Request, awaitable):
     """`awaitable`'s result; if the client goes away first it is cancelled (its requests
-    aborted) and the handler is cancelled too."""
+    aborted) and the handler is cancelled too. The body has been read, so the next message
+    this request receives is its disconnect: one waiting task, no polling."""
     task = asyncio.ensure_future(awaitable)
+    gone = asyncio.ensure_future(_disconnect(request))
     try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
-            if done:
-                return task.result()
-            if await request.is_disconnected():
-                state.counters.disconnects += 1
-                raise asyncio.CancelledError("the client disconnected")
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            return task.result()
+        state.counters.disconnects += 1
+        raise asyncio.CancelledError("the client disconnected")
     finally:
-        if not task.done():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+        for t in (task, gone):
+            t.cancel()
+        await asyncio.gather(task, gone, return_exceptions=True)
+
+
+async def _disconnect(request: Request) -> None:
+    """Return when the client of `request` (its body read) disconnects."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 async def _events(state: _State, render, first, pieces):

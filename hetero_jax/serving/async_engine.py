@@ -4,7 +4,8 @@
 first iteration (or `await`) validates the request in the caller's coroutine (a bad one
 raises `RequestError` there and nowhere else) and hands it to the `stepper.Stepper` thread,
 and then it yields a `GenerateDelta` for every step that gave the request a token, the last
-one finished. `await engine.embed(x, params)` -> `EmbeddingOutput`. The stepper thread queues
+one finished (deltas that queued up while the caller was busy come joined, as one).
+`await engine.embed(x, params)` -> `EmbeddingOutput`. The stepper thread queues
 new requests and aborts between steps, steps, and builds each step's deltas from the
 host-side requests (no extra device read); it hands them to the event loop in one
 `call_soon_threadsafe` per step, so stepping never waits for a loop busy with HTTP or
@@ -23,6 +24,7 @@ from hetero_jax.outputs import RequestFailed
 from hetero_jax.requests import EmbedRequest, GenerateRequest, PoolingParams, SamplingParams
 from hetero_jax.serving.client import FrontStats, GenerateStream, StepTimes, admitted
 from hetero_jax.serving.engine import Engine
+from hetero_jax.serving.output_processor import merge_deltas
 from hetero_jax.serving.stepper import Stepper
 
 
@@ -91,6 +93,8 @@ class AsyncEngine:
         try:
             while True:
                 out = await self._next(flow)
+                while not out.finished and flow.error is None and not flow.queue.empty():
+                    out = merge_deltas(out, flow.queue.get_nowait())  # the caller fell behind
                 yield out
                 if out.finished:
                     return

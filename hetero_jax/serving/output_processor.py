@@ -4,7 +4,8 @@ In: a `sched.Request` and the tokenizer that decodes generated ids (None: no tex
 `RequestOutput` (token ids, text, log-probs as asked, finish reason, timing metrics) or an
 `EmbeddingOutput` (the vector `[d]`, metrics); `error_output` for a request the engine failed
 alone (its `error` says why). `delta` is what a step added to a running generation, for a
-front that streams: new ids, their text and log-probs, read from the host-side request.
+front that streams: new ids, their text and log-probs, read from the host-side request;
+`merge_deltas` joins the deltas a consumer that fell behind finds queued into one.
 """
 from __future__ import annotations
 
@@ -88,3 +89,12 @@ def error_output(req: Request) -> RequestOutput | EmbeddingOutput:
                                error=message)
     return RequestOutput(req.request_id, req.prompt_token_ids, list(req.output_token_ids), None,
                          "error", None, metrics, error=message)
+
+
+def merge_deltas(first: GenerateDelta, later: GenerateDelta) -> GenerateDelta:
+    """Two deltas of one stream, in order -> one holding both (the later one's end and
+    output), so a consumer behind the steps handles, encodes and sends one chunk, not many."""
+    logprobs = None if first.logprobs is None else first.logprobs + (later.logprobs or [])
+    return GenerateDelta(later.request_id, first.token_ids + later.token_ids,
+                         first.text + later.text, logprobs, later.finished, later.output,
+                         later.prompt_tokens)
