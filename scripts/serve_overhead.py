@@ -2,6 +2,14 @@
 
     python scripts/serve_overhead.py --url http://127.0.0.1:8000 --preset tiny --pairs 5 \
         [bench-serve trace flags: --requests 200 --rate inf --embed-frac 0.5 ...]
+    python scripts/serve_overhead.py --url http://127.0.0.1:8000 --preset tiny --paired \
+        --requests 200
+
+`--paired` measures the latency HTTP adds with nothing else running: each request of the
+trace is sent alone, over HTTP and in process one after the other (which goes first
+alternates), and it prints per type the median and quartiles of the per-request differences
+of end-to-end latency and TTFT. Pairing request by request keeps the machine's load, which
+moves from second to second, out of the difference.
 
 The server must run the same engine flags (`hetero-jax serve --preset tiny ...`); this process
 builds the same engine behind an `AsyncEngine`. Each pair runs the same seeded trace over
@@ -68,10 +76,47 @@ async def pairs(args, argv: list) -> list:
     return out
 
 
+async def paired(args, argv: list) -> dict:
+    """Each request alone over HTTP and in process -> {kind: [(http Record, local Record)]}."""
+    http = HttpSender(args.url, None, args.output_len, stream=True)
+    local = ClientSender(build_client(serve_parser().parse_args(argv)), args.output_len)
+    await http.open()
+    out: dict = {"generate": [], "embed": []}
+    for i, (_, kind, ids) in enumerate(make_trace(args, args.seed)):
+        records = {}
+        for sender in (http, local) if i % 2 else (local, http):
+            records[sender] = await (sender.embed if kind == "embed" else sender.generate)(ids)
+        out[kind].append((records[http], records[local]))
+    await http.close()
+    return out
+
+
+def quartiles(xs: list) -> str:
+    q = statistics.quantiles(xs, n=4)
+    return f"median {q[1] * 1e3:.2f} ms (quartiles {q[0] * 1e3:.2f} .. {q[2] * 1e3:.2f})"
+
+
+def report_paired(out: dict) -> None:
+    for kind, pairs_ in out.items():
+        pairs_ = pairs_[2:]  # the first of each kind warms both paths up
+        if len(pairs_) < 2:
+            continue
+        errors = sum(h.error is not None for h, _ in pairs_)
+        print(f"{kind}: {len(pairs_)} pairs, {errors} HTTP errors; added end-to-end "
+              f"{quartiles([(h.end - h.start) - (p.end - p.start) for h, p in pairs_])}; "
+              f"added TTFT {quartiles([h.ttft - p.ttft for h, p in pairs_])}; in-process "
+              f"end-to-end {quartiles([p.end - p.start for _, p in pairs_])}")
+
+
 def main(argv) -> None:
     ap = argparse.ArgumentParser(parents=[build_parser()], add_help=False)
     ap.add_argument("--pairs", type=int, default=5)
+    ap.add_argument("--paired", action="store_true",
+                    help="each request alone over HTTP and in process (see the docstring)")
     args = ap.parse_args(argv)
+    if args.paired:
+        report_paired(asyncio.run(paired(args, serve_argv(args, args.schedulers[0]))))
+        return
     out = asyncio.run(pairs(args, serve_argv(args, args.schedulers[0])))
     ratio = statistics.median(h["requests_per_s"] / p["requests_per_s"] for h, p in out)
     print(f"median requests/s ratio http / in-process: {ratio:.3f}")
