@@ -76,18 +76,31 @@ async def pairs(args, argv: list) -> list:
     return out
 
 
+async def server_steps(http) -> tuple:
+    """(step seconds, steps) the server has run, from its /metrics."""
+    text = (await http.http.get("/metrics")).text
+    value = dict(line.rsplit(" ", 1) for line in text.splitlines() if line[:1] != "#")
+    return float(value["hetero_jax_step_seconds_sum"]), float(value["hetero_jax_step_seconds_count"])
+
+
 async def paired(args, argv: list) -> dict:
-    """Each request alone over HTTP and in process -> {kind: [(http Record, local Record)]}."""
+    """Each request alone over HTTP and in process -> {kind: [(http Record, local Record)]};
+    prints the mean step time on both sides (the server's steps slowed by its HTTP work)."""
     http = HttpSender(args.url, None, args.output_len, stream=True)
     local = ClientSender(build_client(serve_parser().parse_args(argv)), args.output_len)
     await http.open()
+    before = await server_steps(http)
     out: dict = {"generate": [], "embed": []}
     for i, (_, kind, ids) in enumerate(make_trace(args, args.seed)):
         records = {}
         for sender in (http, local) if i % 2 else (local, http):
             records[sender] = await (sender.embed if kind == "embed" else sender.generate)(ids)
         out[kind].append((records[http], records[local]))
+    after, steps = await server_steps(http), local.client.stats.steps
     await http.close()
+    print(f"mean step ms: server {(after[0] - before[0]) / (after[1] - before[1]) * 1e3:.2f} "
+          f"over {after[1] - before[1]:.0f}, in process "
+          f"{steps.total_s / sum(steps.counts) * 1e3:.2f} over {sum(steps.counts)}")
     return out
 
 
