@@ -1,5 +1,6 @@
 """AsyncEngine: coroutines share heterogeneous steps; bad input and cancellation stay local."""
 import asyncio
+import time
 
 import numpy as np
 import pytest
@@ -71,3 +72,31 @@ def test_cancel_aborts_and_frees_pages(engine):
 
     assert len(asyncio.run(main()).token_ids) == 12
     assert engine.scheduler.cache_stats().free_pages == free and not engine.has_work()
+
+
+def test_a_caller_behind_the_steps_gets_the_queued_deltas_joined(engine):
+    """The caller blocks its event loop until the engine has finished the request: every later
+    step's delta is queued by then, and the next iteration yields them as one finished delta
+    whose ids, text and log-probs join the first to the whole output."""
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=1)
+
+    async def main():
+        aengine = AsyncEngine(engine)
+        deltas = aiter(aengine.generate("lagging", params))
+        first = await anext(deltas)
+        for _ in range(3000):  # blocks the loop (no await) until the engine is done, 30 s at most
+            if not engine.has_work():
+                break
+            time.sleep(0.01)
+        time.sleep(0.5)  # and the stepper has handed the last step's delta over (microseconds)
+        rest = [d async for d in deltas]
+        await aengine.close()
+        return first, rest
+
+    first, rest = asyncio.run(main())
+    (last,) = rest
+    out = last.output
+    assert last.finished and not first.finished and len(first.token_ids) >= 1
+    assert first.token_ids + last.token_ids == out.token_ids and len(out.token_ids) == 10
+    assert first.text + last.text == out.text
+    assert first.logprobs + last.logprobs == out.logprobs

@@ -22,7 +22,7 @@ from hetero_jax.bench.online import ClientSender, HttpSender, run_trace
 from hetero_jax.outputs import EmbeddingOutput, EngineStats, RequestError
 from hetero_jax.server.app import ServerConfig, build_app
 from hetero_jax.server.chat import DEFAULT_TEMPLATE, ChatTemplate, read_template
-from hetero_jax.server.cli import ServerThread
+from hetero_jax.server.cli import UVICORN, ServerThread
 from hetero_jax.serving.async_engine import AsyncEngine
 from hetero_jax.serving.client import FrontStats, GenerateStream, StepTimes
 
@@ -273,6 +273,28 @@ def test_a_disconnect_mid_stream_aborts_and_frees_pages(engine, server):
     assert engine.stats.generated_tokens - tokens < 400, "the request ran to its end"
     assert counters.disconnects == before + 1
 
+
+
+def test_a_plain_request_whose_client_leaves_is_aborted(engine, server):
+    """Not streamed: the handler waits on the connection's disconnect message, so a client
+    that gives up (here its read timeout) aborts the request and frees its pages."""
+    free = engine.scheduler.pages.num_free
+    counters = server.app.state.server.counters
+    before, tokens = counters.disconnects, engine.stats.generated_tokens
+    body = dict(model="tiny", prompt="a long one", max_tokens=480, ignore_eos=True)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + C, json=body, headers={"Authorization": f"Bearer {KEY}"},
+                   timeout=httpx.Timeout(30, read=0.5))
+    idle(engine)
+    assert engine.scheduler.pages.num_free == free, "the aborted request's pages are back"
+    assert engine.stats.generated_tokens - tokens < 480, "the request ran to its end"
+    assert counters.disconnects == before + 1
+
+
+def test_the_server_keeps_idle_connections_longer_than_clients_do():
+    """A client reusing a connection the server closes that instant gets a reset
+    (httpx.ReadError): the server's keep-alive outlasts httpx's (and the openai package's)."""
+    assert UVICORN["timeout_keep_alive"] > httpx.Limits().keepalive_expiry
 
 class FullQueue:
     """An EngineClient whose queue is full: the server must refuse before calling it."""

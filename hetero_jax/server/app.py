@@ -9,7 +9,7 @@ handler. Any failure, there or in the handler, becomes its status and OpenAI err
 (`data: {chunk}` ... `data: [DONE]`); its first piece is awaited before the status is sent, so
 a request the engine refuses still gets its 400. A client that disconnects aborts its
 requests: a stream's generator is cancelled by the server and closes its choices, and a plain
-request is watched until it ends (`_unless_disconnected`).
+request waits on its connection's disconnect message while it runs (`_unless_disconnected`).
 """
 from __future__ import annotations
 
@@ -33,9 +33,6 @@ from hetero_jax.server.errors import ApiError, as_api_error, error_body
 from hetero_jax.server.generation import choice_pieces, merged
 from hetero_jax.server.metrics import Counters, prometheus_text
 from hetero_jax.server.protocol import ChatRequest, CompletionRequest, EmbeddingRequest
-
-DISCONNECT_POLL_S = 0.25  # how often a plain (not streamed) request checks its client
-
 
 @dataclasses.dataclass(frozen=True)
 class ServerConfig:
@@ -212,21 +209,44 @@ async def _generate(state, request, req, kind: str, rid: str, choices: list) -> 
 
 
 async def _unless_disconnected(state: _State, request: Request, awaitable):
-    """`awaitable`'s result; if the client goes away first it is cancelled (its requests
-    aborted) and the handler is cancelled too."""
-    task = asyncio.ensure_future(awaitable)
+    """`awaitable`'s result, awaited in this task (no task of its own: fewer loop hops before
+    the first chunk); if the client goes away first, this task is cancelled and `awaitable`
+    with it (its requests aborted)."""
+    watch = _Watch(request)
     try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
-            if done:
-                return task.result()
-            if await request.is_disconnected():
-                state.counters.disconnects += 1
-                raise asyncio.CancelledError("the client disconnected")
+        return await awaitable
+    except asyncio.CancelledError:
+        if watch.fired:
+            state.counters.disconnects += 1
+        raise
     finally:
-        if not task.done():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+        watch.close()
+
+
+class _Watch:
+    """Cancels the task that made it if the client of `request` disconnects before `close()`.
+    The body has been read, so the next message the request receives is its disconnect: one
+    waiting task, no polling."""
+
+    def __init__(self, request: Request):
+        self.task, self.open, self.fired = asyncio.current_task(), True, False
+        self.gone = asyncio.ensure_future(_disconnect(request))
+        self.gone.add_done_callback(self._fire)
+
+    def _fire(self, gone) -> None:
+        if self.open and not gone.cancelled():
+            self.fired = True
+            self.task.cancel("the client disconnected")
+
+    def close(self) -> None:
+        self.open = False
+        self.gone.cancel()
+
+
+async def _disconnect(request: Request) -> None:
+    """Return when the client of `request` (its body read) disconnects."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 async def _events(state: _State, render, first, pieces):

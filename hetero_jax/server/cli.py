@@ -27,6 +27,12 @@ LIMITS = dict(port=(0, 65535), replicas=(1, 1024), tensor_parallel=(1, 1024),
               token_budget=(1, 8192), chunk_size=(1, 8192), max_num_seqs=(1, 1024),
               max_model_len=(1, 1 << 20), seed=(0, 2**32 - 1), max_queued=(0, 1 << 20),
               max_body_bytes=(1, 1 << 30))
+# uvicorn's settings (loop and parser are its defaults with the `serve` extra: uvloop and
+# httptools). An idle keep-alive connection is kept 30 s, longer than clients keep theirs
+# (httpx and the openai package: 5 s, uvicorn's own default too): with equal timeouts a client
+# may reuse a connection the server is closing that instant, and that request fails with a
+# reset (httpx.ReadError). No access log: a line per request costs the event loop.
+UVICORN = dict(timeout_keep_alive=30, access_log=False, backlog=2048, log_level="warning")
 
 
 def _model_dir(text: str) -> str:
@@ -140,7 +146,7 @@ def serve_main(argv) -> int:
         build_parser().error("--embed-adapter needs --model (a preset has no adapters)")
     client = build_client(args)
     uvicorn.run(build_app(client, server_config(args)), host=args.host, port=args.port,
-                log_level="warning", timeout_graceful_shutdown=5)
+                timeout_graceful_shutdown=5, **UVICORN)
     return 0
 
 
@@ -158,8 +164,7 @@ class ServerThread:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(("127.0.0.1", self.port))
         self.port = sock.getsockname()[1]
-        config = uvicorn.Config(self.app, log_level="warning", timeout_graceful_shutdown=2,
-                                backlog=2048)
+        config = uvicorn.Config(self.app, timeout_graceful_shutdown=2, **UVICORN)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, kwargs=dict(sockets=[sock]),
                                        name="hetero-jax-server", daemon=True)

@@ -5,7 +5,7 @@
 iteration (or `await`) validates the request in the caller's coroutine (`Engine.prepare`: a
 bad one raises `RequestError` there and nowhere else) and hands it to the `stepper.Stepper`
 thread, and then it yields a `GenerateDelta` for every step that gave the request a token,
-the last one finished. `await engine.embed(x, params)` -> `EmbeddingOutput`. The stepper
+the last one finished (deltas that queued up while the caller was busy come joined, as one). `await engine.embed(x, params)` -> `EmbeddingOutput`. The stepper
 thread queues new requests and aborts between steps, steps, and builds each step's deltas
 from the host-side requests (no extra device read); the front hands them to the event loop
 in one `call_soon_threadsafe` per step, so stepping never waits for a loop busy with HTTP or

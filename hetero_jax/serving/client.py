@@ -3,13 +3,15 @@
 The OpenAI server, the retrieval pipeline (`rag`), the bench and the batch job call an engine
 only through it. `generate(prompt, params, request_id=None)` returns a `GenerateStream`:
 `async for delta in stream` yields a `GenerateDelta` for every step that gave the request
-tokens, the last one `finished` and carrying the whole `RequestOutput`; `await stream` (or the
-coroutine `stream.output()`) is the short form that returns that output. Nothing is submitted until the stream is first iterated
-or awaited; a bad request raises `RequestError` there, one the engine fails while running
-raises `RequestFailed`, and leaving the stream early (closing it, or cancelling its task)
-aborts the request and frees its pages. `embed` returns an `EmbeddingOutput` (vector and its
-token ids). `abort(request_id)` ends a request by the caller's id. `stats` is a `FrontStats`:
-the engine's counters plus the queue by kind and a histogram of step times.
+tokens (those that queued while the caller was busy come joined into one), the last one
+`finished` and carrying the whole `RequestOutput`; `await stream` (or the coroutine
+`stream.output()`) is the short form that returns that output. Nothing is submitted until the
+stream is first iterated or awaited; a bad request raises `RequestError` there, one the engine
+fails while running raises `RequestFailed`, and leaving the stream early (closing it, or
+cancelling its task) aborts the request and frees its pages. `embed` returns an
+`EmbeddingOutput` (vector and its token ids). `abort(request_id)` ends a request by the
+caller's id. `stats` is a `FrontStats`: the engine's counters plus the queue by kind and a
+histogram of step times.
 
 One implementation, `front.Front`, over a core per kind of engine: `AsyncEngine` (one engine
 in this process, streaming per step), `AsyncReplicas` (replicas in processes or Ray actors)

@@ -26,6 +26,7 @@ import asyncio
 from hetero_jax.outputs import EmbeddingOutput, RequestFailed
 from hetero_jax.requests import EmbedRequest, GenerateRequest, PoolingParams, SamplingParams
 from hetero_jax.serving.client import FrontStats, GenerateStream, admitted
+from hetero_jax.serving.output_processor import merge_deltas
 
 
 class _Flow:
@@ -89,6 +90,8 @@ class Front:
         try:
             while True:
                 out = await self._next(flow)
+                while not out.finished and flow.error is None and not flow.queue.empty():
+                    out = merge_deltas(out, flow.queue.get_nowait())  # the caller fell behind
                 yield out
                 if out.finished:
                     return

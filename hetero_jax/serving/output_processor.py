@@ -5,15 +5,16 @@ In: a `sched.Request` and the tokenizer that decodes generated ids (None: no tex
 `EmbeddingOutput` (the vector `[d]`, metrics); `error_output` for a request the engine failed
 alone (its `error` says why); `renumbered` for an output another process made, numbered and
 timed as this process's engine would. `delta` is what a step added to a running generation, for a
-front that streams: new ids, their text and log-probs, read from the host-side request.
+front that streams: new ids, their text and log-probs, read from the host-side request;
+`merge_deltas` joins the deltas a consumer that fell behind finds queued into one.
 """
 from __future__ import annotations
 
 import dataclasses
 
+from hetero_jax.models.detokenize import safe_text, text_delta
 from hetero_jax.outputs import EmbeddingOutput, GenerateDelta, RequestOutput
 from hetero_jax.sched import Request
-from hetero_jax.models.detokenize import safe_text, text_delta
 
 
 def _since_arrival(req: Request, t: float | None) -> float | None:
@@ -92,3 +93,12 @@ def renumbered(out, request_id: int, start: float):
         if key in m:
             m[key] = None if m.get(since) is None else m[since] - start
     return dataclasses.replace(out, request_id=request_id, metrics=m)
+
+
+def merge_deltas(first: GenerateDelta, later: GenerateDelta) -> GenerateDelta:
+    """Two deltas of one stream, in order -> one holding both (the later one's end and
+    output), so a consumer behind the steps handles, encodes and sends one chunk, not many."""
+    logprobs = None if first.logprobs is None else first.logprobs + (later.logprobs or [])
+    return GenerateDelta(later.request_id, first.token_ids + later.token_ids,
+                         first.text + later.text, logprobs, later.finished, later.output,
+                         later.prompt_tokens)
