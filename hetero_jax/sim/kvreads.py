@@ -24,13 +24,18 @@ class CascadeSettings:
     rows: int = 8  # M; 0 turns cascade off
     min_saved_pages: int = 16
     max_num_seqs: int = 32
+    planned: bool = False  # tiles sized by the planner: up to S tiles of up to S rows
 
     def tiles(self, num_seqs: int) -> tuple:
         """(G, M) for a step of `num_seqs` decode sequences (S: its sequence bucket, powers
-        of two from min(8, max_num_seqs) up to max_num_seqs, as `EngineConfig` pads)."""
+        of two from min(8, max_num_seqs) up to max_num_seqs, as `EngineConfig` pads); with
+        `planned`, (S, S): `plan_tiles` cuts the runs that share a first page into as few
+        tiles as they need, none capped at `rows`."""
         s = min(8, self.max_num_seqs)
         while s < num_seqs:
             s = min(2 * s, self.max_num_seqs)
+        if self.planned:  # a tile per group of sequences sharing pages, each as long as it is
+            return s, s
         rows = min(self.rows, s)
         return s // rows, rows
 
