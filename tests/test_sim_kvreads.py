@@ -159,3 +159,15 @@ def test_planned_tiles_cover_every_group():
     """(G, M) = (S, S) when the planner sizes the tiles, else S // rows tiles of rows."""
     assert CascadeSettings(8, 16, 256).tiles(200) == (32, 8)
     assert CascadeSettings(8, 16, 256, planned=True).tiles(200) == (256, 256)
+
+
+def test_mixed_cascade_reads_the_decodes_shared_pages_once_beside_a_prefill():
+    """Two decodes on the same 32 cached pages beside a prefill chunk: the engine's cascade
+    (decode-only steps) saves nothing; modelled in mixed steps it saves 32 page reads."""
+    shared = tuple(range(1, 33))
+    items = [ScheduledItem(9, PREFILL, 0, 16, False, pages=(40,)),
+             ScheduledItem(1, DECODE, 520, 1, True, pages=shared + (50,)),
+             ScheduledItem(2, DECODE, 520, 1, True, pages=shared + (51,))]
+    assert kv_pages_saved(items, 16, CascadeSettings(8, 16, 32)) == 0
+    assert kv_pages_saved(items, 16, CascadeSettings(8, 16, 32, mixed=True)) == 32
+    assert kv_pages_saved(items[1:], 16, CascadeSettings(8, 16, 32)) == 32

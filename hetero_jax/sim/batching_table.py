@@ -85,6 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--planned-tiles", action="store_true",
                    help="cascade tiles sized by the planner (a tile per shared prefix, any "
                    "length), not --cascade-rows rows each")
+    p.add_argument("--mixed-cascade", action="store_true",
+                   help="cascade also over the decodes of mixed steps (not in the engine yet)")
     p.add_argument("--policy", default="ibs", help="the scheduling policy (embed vs generate)")
     p.add_argument("--json", metavar="PATH", type=output_file)
     return p
@@ -124,7 +126,8 @@ def _settings(args) -> list:
                             arrival=args.arrival, clients=args.clients, shared=shared)
         for cascade in sorted(args.cascade):
             settings = CascadeSettings(args.cascade_rows, 16, args.max_num_seqs,
-                                       args.planned_tiles) if cascade else None
+                                       args.planned_tiles, args.mixed_cascade) \
+                if cascade else None
             out.append((label, f"{frac:.0%} emb" if frac else "gen", "on" if cascade else "off",
                         wl, settings))
     return out

@@ -3,7 +3,8 @@
 In: a step's decode items (their page tables and KV lengths) and the engine's cascade
 settings. Out: the pages of KV the attention reads. Without cascade every sequence reads
 every page of its context. With cascade (`ops/cascade.py`: decode-only steps, at least two
-sequences) the engine cuts the decode sequences into at most G tiles of at most M rows that
+sequences; `CascadeSettings.mixed` models the decodes of mixed steps too, which the engine
+does not do yet) the engine cuts the decode sequences into at most G tiles of at most M rows that
 share leading pages, and each tile reads its shared pages once; it does so only when the tiles
 save at least `min_saved_pages` page reads. `plan_savings` counts them from the engine's own
 planner, `sched.tiles.plan_tiles` (jax-free).
@@ -25,6 +26,7 @@ class CascadeSettings:
     min_saved_pages: int = 16
     max_num_seqs: int = 32
     planned: bool = False  # tiles sized by the planner: up to S tiles of up to S rows
+    mixed: bool = False  # cascade also over the decodes of a step with prefill or embedding
 
     def tiles(self, num_seqs: int) -> tuple:
         """(G, M) for a step of `num_seqs` decode sequences (S: its sequence bucket, powers
@@ -49,9 +51,11 @@ def plan_savings(page_tables: list, kv_lens: list, page_size: int, num_tiles: in
 
 
 def kv_pages_saved(items: list, page_size: int, cascade: CascadeSettings | None) -> int:
-    """Page reads a step of `items` (`ScheduledItem`s) saves under cascade attention."""
-    if cascade is None or not cascade.rows or len(items) < 2 or any(
-            it.kind != DECODE for it in items):
+    """Page reads a step of `items` (`ScheduledItem`s) saves under cascade attention (a
+    decode-only step, or with `cascade.mixed` the decodes of any step)."""
+    decodes = [it for it in items if it.kind == DECODE]
+    if cascade is None or not cascade.rows or len(decodes) < 2 or (
+            len(decodes) < len(items) and not cascade.mixed):
         return 0
-    return plan_savings([it.pages for it in items], [it.start + 1 for it in items], page_size,
-                        *cascade.tiles(len(items)), cascade.min_saved_pages)
+    return plan_savings([it.pages for it in decodes], [it.start + 1 for it in decodes],
+                        page_size, *cascade.tiles(len(decodes)), cascade.min_saved_pages)

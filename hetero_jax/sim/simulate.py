@@ -209,7 +209,7 @@ class SimResult:
     cache_hit_rate: float | None  # hit / query tokens; None when nothing was looked up
     routing: dict = dataclasses.field(default_factory=dict)  # the router's RoutingStats
     kv_read_tokens: int = 0  # KV tokens the attention read, every step
-    cascade_steps: int = 0  # decode-only steps that read shared pages once per tile
+    cascade_steps: int = 0  # steps that read shared pages once per tile
     mean_decode_batch: float = 0.0  # decode tokens per step that has any
     homogeneous_decode_share: float = 0.0  # of the steps with decodes: one prefix group's
     batching: dict = dataclasses.field(default_factory=dict)  # replica 0's batching stats
