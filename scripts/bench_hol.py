@@ -164,7 +164,7 @@ def run_sim(args, num_pages: int) -> dict:
                                 max_num_seqs=args.max_num_seqs,
                                 max_chunk_seqs=args.max_chunk_seqs, page_size=16,
                                 num_pages=num_pages, max_model_len=args.max_model_len,
-                                policy=policy)
+                                policy=policy, thin_batch=args.thin_batch)
         r = simulate(SimConfig(sched, workload), cost)
         g, e = r.per_type[GENERATE], r.per_type[EMBED]
         results[policy] = {
@@ -215,6 +215,9 @@ def parse_args(argv=None):
     p.add_argument("--max-num-seqs", type=int, default=32)
     p.add_argument("--max-chunk-seqs", type=int, default=4)
     p.add_argument("--max-model-len", type=int, default=512)
+    p.add_argument("--thin-batch", type=float, default=SchedulerConfig.thin_batch,
+                   help="simulator: ibs leads with generation prefill below this x "
+                   "--max-num-seqs running generations (0: Algorithm 2 as published)")
     p.add_argument("--repeats", type=int, default=2, help="timed runs per policy (median)")
     p.add_argument("--cost", help="simulator cost model JSON (scripts/calibrate.py)")
     p.add_argument("--roofline", default="h200", choices=sorted(HARDWARE),

@@ -219,7 +219,8 @@ def test_repeats_rotate_the_order_and_keep_the_median_run():
     assert {r["scheduler"]: r["requests_per_s"] for r in rows} == {"a": 6.0, "b": 4.0, "c": 5.0}
     assert all(r["ratio"] == "5:5" for r in rows)
     assert median_run([dict(requests_per_s=2.0), dict(requests_per_s=1.0)]) == dict(
-        requests_per_s=1.0, requests_per_s_runs=[2.0, 1.0])
+        requests_per_s=1.0, requests_per_s_runs=[2.0, 1.0], requests_per_cpu_s_runs=[None, None],
+        requests_per_s_ci=(1.0, 2.0))
 
 
 def test_bench_config_resolves_the_defaults_that_depend_on_other_flags():

@@ -68,7 +68,7 @@ def test_the_scheduler_runs_the_part_the_brute_force_choice_keeps(embeds, prompt
     part of the step's first selection (the embeddings here, whose backlog is larger)."""
     def sched(step_cost):
         s = Scheduler(config(policy="ibs", token_budget=budget, chunk_size=64, max_chunk_seqs=4,
-                             step_cost=step_cost))
+                             step_cost=step_cost, thin_batch=0.0))  # Algorithm 2's picks
         for i, n in enumerate(embeds):
             s.add(emb(i, n))
         for i, n in enumerate(prompts):

@@ -78,12 +78,55 @@ def test_fcfs_head_of_line_blocks_later_requests():
 
 def test_ibs_interleaves_where_fcfs_blocks_embeddings():
     """Embeddings behind long prefills: IBS finishes them early, FCFS after all prefills."""
-    def embed_finish_steps(policy):
-        sched = Scheduler(config(policy=policy, token_budget=32, chunk_size=16, max_chunk_seqs=2))
+    def embed_finish_steps(policy, thin_batch=0.0):
+        sched = Scheduler(config(policy=policy, token_budget=32, chunk_size=16, max_chunk_seqs=2,
+                                 thin_batch=thin_batch))
         trace = drive(sched, {0: [gen(0, 64, 4), gen(1, 64, 4), emb(2, 16), emb(3, 16)]})
         return [s for s, _, fin in trace for r in fin if r.kind == EMBED]
-    assert embed_finish_steps("ibs") == [1, 3]
+    assert embed_finish_steps("ibs") == [1, 3]  # Algorithm 2 as published
     assert embed_finish_steps("fcfs") == [4, 5]  # step 4: 2 decodes, E2 16, E3 14 of 16
+    # thin batch (2 of 32 slots < 16): the prompts lead two selections (one step's chunks),
+    # then the credits give E2 one; E3 waits for the lead to pass again
+    assert embed_finish_steps("ibs", 0.5) == [1, 5]
+
+
+def thin_and_paper_steps(thin_batch):
+    sched = Scheduler(config(policy="ibs", token_budget=48, chunk_size=16, max_chunk_seqs=3,
+                             max_num_seqs=4, thin_batch=thin_batch))
+    for req in [emb(0, 64), emb(1, 64), gen(2, 16, 3), gen(3, 16, 3)]:
+        sched.add(req)
+    return sched, layout(sched.schedule())
+
+
+def test_ibs_leads_with_generation_prefill_while_the_batch_is_thin():
+    """Below thin_seqs running generations a generation head takes the selection, whatever
+    the credits; at thin_seqs the credits decide again (hand-computed)."""
+    sched, steps = thin_and_paper_steps(0.5)
+    assert sched.policy.thin_seqs == 2
+    # G2, G3 lead (0, then 1 generation running); no generation head left -> E0
+    assert steps == [(0, EMBED, 0, 16), (2, PREFILL, 0, 16), (3, PREFILL, 0, 16)]
+    assert sched.policy.credits.acc == {EMBED: 0, GENERATE: 0}, "the lead moved the credits"
+    # Algorithm 2: w=(128, 32): a=(128, 32) -> E0, a_e=-32 | w=(112, 32): a=(80, 64) -> E1,
+    # a_e=-64 | w=(96, 32): a=(32, 96) -> G2
+    _, steps = thin_and_paper_steps(0.0)
+    assert steps == [(0, EMBED, 0, 16), (1, EMBED, 0, 16), (2, PREFILL, 0, 16)]
+
+
+def test_the_thin_lead_passes_over_an_embedding_at_most_max_lead_times():
+    """Generations that end at their first token keep the batch thin; still an embedding
+    that the credits favour gets a selection after max_lead (one step's chunks) led ones."""
+    def steps(thin_batch):
+        sched = Scheduler(config(policy="ibs", token_budget=16, chunk_size=8, max_chunk_seqs=2,
+                                 max_num_seqs=8, thin_batch=thin_batch))
+        assert sched.policy.max_lead == 2
+        trace = drive(sched, {0: [emb(0, 64)] + [gen(i, 8, 1) for i in range(1, 7)]})
+        return [[(it.request_id, it.kind) for it in out.items] for _, out, _ in trace][:3]
+    # two led selections, then the credits (w=(64, 32)) -> E0 and the lead is back: G3
+    assert steps(0.5) == [[(1, PREFILL), (2, PREFILL)], [(0, EMBED), (3, PREFILL)],
+                          [(4, PREFILL), (5, PREFILL)]]
+    # Algorithm 2: w=(64, 48) -> E0, then G1; every step holds one of each
+    assert steps(0.0) == [[(0, EMBED), (1, PREFILL)], [(0, EMBED), (2, PREFILL)],
+                          [(0, EMBED), (3, PREFILL)]]
 
 
 def test_homogeneous_steps_hold_one_type_and_alternate():

@@ -4,7 +4,8 @@ Random workloads (both types, random lengths, arrival steps, stop tokens) and ra
 (budget, chunk size, sequence caps, a KV cache tight enough to preempt) check that: the budget
 and the per-step caps are never exceeded; within a type, first scheduling follows arrival
 order; every request finishes with exactly the tokens an unpreempted run produces; no page
-leaks; and IBS never starves a backlogged queue. "ibs+cost" is the cost-aware IBS under a
+leaks; and IBS never starves a backlogged queue (Algorithm 2's bound, plus at most max_lead
+selections that lead with generation prefill while the batch is thin). "ibs+cost" is the cost-aware IBS under a
 step cost that splits a mixed step now always, now when token padding makes two steps cheaper.
 """
 import math
@@ -43,7 +44,7 @@ def scenarios(draw, policies=tuple(POLICIES) + ("ibs+cost",)):
                  chunk_size=draw(st.integers(1, 48)), max_num_seqs=draw(st.integers(1, 8)),
                  max_chunk_seqs=draw(st.integers(1, 4)), page_size=page_size,
                  num_pages=largest + 1 + draw(st.integers(0, 2 * largest)),
-                 max_model_len=MAX_MODEL_LEN)
+                 max_model_len=MAX_MODEL_LEN, thin_batch=draw(st.sampled_from([0.0, 0.5, 1.0])))
     return cfg, requests, arrivals
 
 
@@ -102,7 +103,9 @@ def test_every_request_finishes_within_the_limits_and_loses_nothing(scenario):
 
 
 class PickLog:
-    """(weights of the live types, chosen type) of every selection that was served.
+    """(weights of the contested types, chosen type, whether it led over a live embedding) of
+    every selection that was served. A thin-batch selection (the policy's `led`) leaves the
+    credits alone, so it is logged as uncontested.
 
     When the cost-aware IBS defers a type's part of a step, that type's selections of the step
     were not served, and the other type's selections after its first one were uncontested (as
@@ -110,18 +113,21 @@ class PickLog:
     """
 
     def __init__(self, policy):
+        self.policy = policy
         self.entries, self._step = [], 0
         self._wrapped = policy.plans, policy.pick, policy.undo, policy.split
         policy.plans, policy.pick, policy.undo, policy.split = (self.plans, self.pick,
                                                                 self.undo, self.split)
 
-    def plans(self, pending, decoding):
+    def plans(self, pending, gens):
         self._step = len(self.entries)
-        return self._wrapped[0](pending, decoding)
+        return self._wrapped[0](pending, gens)
 
     def pick(self, heads, weights):
         kind = self._wrapped[1](heads, weights)
-        self.entries.append(({k: weights[k] for k in heads}, kind))
+        led = self.policy.led
+        contested = [kind] if led else heads
+        self.entries.append(({k: weights[k] for k in contested}, kind, led and EMBED in heads))
         return kind
 
     def undo(self, kind):
@@ -133,8 +139,9 @@ class PickLog:
         if len(ran.items) < len(out.items):
             deferred = GENERATE if ran.items[0].kind == EMBED else EMBED
             step = self.entries[self._step:]
-            first = next((i for i, (_, k) in enumerate(step) if k == deferred), len(step))
-            self.entries[self._step:] = step[:first] + [({k: w[k]}, k) for w, k in step[first:]
+            first = next((i for i, (_, k, _) in enumerate(step) if k == deferred), len(step))
+            self.entries[self._step:] = step[:first] + [({k: w[k]}, k, led)
+                                                        for w, k, led in step[first:]
                                                         if k != deferred]
         return ran
 
@@ -147,7 +154,8 @@ def test_ibs_never_starves_a_backlogged_queue(scenario):
     With credits x and -x, a contested selection not given to type t raises x by its weight
     w_t, and t wins once 2x >= w_other - w_t; t's last win left x >= -W0 / 2 (W0: the total
     weight then). A type whose head could not run, or whose part of a step the cost-aware IBS
-    deferred, is not contested, and keeps its credit.
+    deferred, is not contested, and keeps its credit. Thin-batch selections are not contested
+    either; at most max_lead of them run in a row while an embedding head is live.
     """
     cfg, requests, arrivals = scenario
     sched = Scheduler(cfg)
@@ -155,7 +163,7 @@ def test_ibs_never_starves_a_backlogged_queue(scenario):
     drive(sched, arrivals, max_steps=20_000)
     for t in (EMBED, GENERATE):
         debt, run, min_w, max_w = 0, 0, math.inf, 0
-        for weights, kind in log.entries:
+        for weights, kind, _ in log.entries:
             if len(weights) < 2:
                 continue
             if kind == t:
@@ -165,5 +173,9 @@ def test_ibs_never_starves_a_backlogged_queue(scenario):
                 max_w = max(max_w, sum(weights.values()))
                 bound = math.ceil((debt + max_w) / (2 * min_w)) + 1
                 assert run <= bound, f"{t} waited {run} > {bound} contested selections"
+    led = 0
+    for _, kind, over_embedding in log.entries:
+        led = 0 if kind == EMBED else led + over_embedding
+        assert led <= sched.policy.max_lead, f"{led=} thin-batch selections passed an embedding"
     assert all(r.finish_reason for r in requests)
 

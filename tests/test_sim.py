@@ -195,11 +195,14 @@ def _record(out, kinds: set):
 
 
 def test_head_of_line_burst_ibs_serves_embeddings_before_fcfs():
-    """Generation first, then embeddings, all at time 0: FCFS makes embeddings wait."""
+    """Generation first, then embeddings, all at time 0: FCFS makes embeddings wait; IBS as
+    published interleaves them (the default first starts decode chains: 30 generations fill
+    half the slots, so it is near fcfs here; the bench_hol test checks what it keeps)."""
     cost = load_cost_model("roofline:h200")
     p50 = {}
     for policy in ("ibs", "fcfs"):
         sched, wl = small_sim(policy, arrival="burst", order="gen-first", embed_frac=0.5)
+        sched = dataclasses.replace(sched, thin_batch=0.0)
         p50[policy] = simulate(SimConfig(sched, wl), cost).per_type[EMBED]["latency_p50_s"]
     assert p50["ibs"] < 0.8 * p50["fcfs"]
 
@@ -469,15 +472,19 @@ def test_packing_sim_bad_rates_are_argparse_errors_naming_the_value(flags, messa
 def test_bench_hol_sim_only_meets_the_targets_and_imports_no_jax(tmp_path):
     """32 generation requests (128 + 256 tokens, the bench's shape) then 32 embeddings at t=0.
     FCFS gives every sequence slot to generation, so embeddings wait for whole decodes;
-    homogeneous steps leave them half the steps; IBS interleaves them from the first step."""
+    homogeneous steps leave them half the steps; IBS as published (--thin-batch 0)
+    interleaves them from the first step. The default IBS starts 16 decode chains first: its
+    embeddings still beat fcfs's at p99, by less (the price of starting decode chains early)."""
     path = tmp_path / "hol.json"
     hol = load_script("bench_hol")
-    data = hol.main(["--sim-only", "--json", str(path)])
+    data = hol.main(["--sim-only", "--thin-batch", "0", "--json", str(path)])
     res, targets = data["results"]["sim"], data["targets"]["sim"]
     assert set(res) == {"ibs", "fcfs", "homogeneous"}
     assert targets["emb_p99_fcfs_over_ibs"] >= 2 and targets["emb_p99_homogeneous_over_ibs"] >= 2
     assert targets["gen_p99_ibs_vs_fcfs"] <= 0.10
     assert json.loads(path.read_text())["targets"]["sim"] == pytest.approx(targets)
+    thin = hol.main(["--sim-only"])["targets"]["sim"]
+    assert thin["emb_p99_fcfs_over_ibs"] >= 1.3 and thin["gen_p99_ibs_vs_fcfs"] <= 0.10
     code = ("import runpy, sys; sys.argv = ['bench_hol', '--sim-only', '--n', '4']; "
             "runpy.run_path('scripts/bench_hol.py', run_name='__main__'); "
             "assert not [m for m in sys.modules if m.split('.')[0] in ('jax', 'jaxlib')]")

@@ -1,17 +1,19 @@
 """The offline bound on mixing's gain (sim/bound.py): hand-computed least work, that no
-simulated schedule beats the bound of its kind (no jax), and `hetero-jax sim --policy
-ibs-cost`."""
+simulated schedule beats the bound of its kind (no jax), `hetero-jax sim --policy
+ibs-cost`, and the budget a cost model asks for (`ridge_budget`)."""
 import dataclasses
 import subprocess
 import sys
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hetero_jax.sched import SchedulerConfig
 from hetero_jax.sim.bound import bound_row, bound_table, group_work, main, parse_ratios
 from hetero_jax.sim.cli import sim_main
-from hetero_jax.sched.costmodel import FEATURES, LinearCostModel, StepCost, load_cost_model
+from hetero_jax.sched.costmodel import (FEATURES, LinearCostModel, StepCost, load_cost_model,
+                                        ridge_budget)
 from hetero_jax.sim.simulate import SimConfig, simulate
 from hetero_jax.sim.workload import RequestSpec, ratio_workload, request_specs
 
@@ -96,3 +98,25 @@ def test_the_bound_and_the_cost_aware_policy_import_no_jax():
     code = ("import sys; import hetero_jax.sim.bound, hetero_jax.sched.policies; "
             "assert not [m for m in sys.modules if m.split('.')[0] in ('jax', 'jaxlib')]")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_ridge_budget_hand_computed():
+    """A linear fit: cost(n) / n <= 9/8 x 1 ms when 40 ms / n <= 0.125 ms, n >= 320: 512. A
+    7B bf16 roofline: the ridge is about 150 tokens on an A100 (2 x 7e9 FLOPs a token at
+    187 TFLOP/s against 14 GB at 1.24 TB/s): 256; the budget never leaves [lo, hi]."""
+    linear = LinearCostModel(0.04, (("tokens", 0.001),))
+    assert ridge_budget(linear) == 512
+    assert ridge_budget(linear, amortized=0.5) == 128  # 40 / n <= 0.5: n >= 80
+    assert ridge_budget(load_cost_model("roofline:a100-40gb", "mistral-7b")) == 256
+    assert ridge_budget(load_cost_model("calibration/small-cpu.json")) == 256
+    assert ridge_budget(LinearCostModel(1.0, (("tokens", 1e-9),)), hi=4096) == 4096
+
+
+def test_sim_defaults_the_budget_to_the_cost_model_and_runs_the_paper_ibs(capsys):
+    results = sim_main(["--policy", "ibs,ibs-paper", "--cost", "calibration/small-cpu.json",
+                        "--requests", "12", "--gen-output", "8", "--embed-frac", "0.5"])
+    assert "budget 256, chunk 64" in capsys.readouterr().out
+    assert all(sum(t["completed"] for t in r.per_type.values()) == 12 for r in results.values())
+    with pytest.raises(SystemExit) as e:
+        sim_main(["--budget", "32", "--chunk", "64", "--requests", "4"])
+    assert e.value.code == 2 and "--chunk 64 exceeds --budget 32" in capsys.readouterr().err

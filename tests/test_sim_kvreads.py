@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from hetero_jax.sched import BATCHING, DECODE, PREFILL, ScheduledItem, SchedulerConfig
+from hetero_jax.sched.batching import FeatherConfig
 from hetero_jax.sched.output import SchedulerOutput
 from hetero_jax.sim import load_cost_model
 from hetero_jax.sched.costmodel import StepShape
@@ -128,3 +129,45 @@ def test_the_batching_table_refuses_an_embedding_fraction_outside_0_1(bad, capsy
     with pytest.raises(SystemExit):
         main(SMALL_TABLE + ["--embed-frac", bad])
     assert "--embed-frac" in capsys.readouterr().err
+
+
+def _feather_share(homogeneous: bool):
+    wl = WorkloadConfig(name="shared-prefix", groups=4, prompts_per_group=8, prefix_len=256,
+                        suffix_len=32, gen_output=LengthDist((32,)), embed_frac=0,
+                        arrival="closed", clients=32)
+    sched = SchedulerConfig(token_budget=2048, chunk_size=512, max_num_seqs=32,
+                            max_chunk_seqs=8, num_pages=4096, max_model_len=1024,
+                            prefix_caching=True, batching="feather",
+                            feather=FeatherConfig(homogeneous=homogeneous))
+    return simulate(SimConfig(sched, wl), load_cost_model("roofline:h200", "llama-3-8b"))
+
+
+def test_feathers_homogeneous_arm_keeps_decode_steps_on_one_prefix_group():
+    """4 groups of 8 in one batch of 32: the default feather tops its lead group up to the
+    floor, which grew to the batch (every decode step mixes the groups); the homogeneous arm
+    runs one group's decodes a step, and every request still finishes."""
+    mixed, homog = _feather_share(False), _feather_share(True)
+    assert mixed.homogeneous_decode_share < 0.1
+    assert homog.homogeneous_decode_share >= 0.8
+    assert homog.per_type["generate"]["completed"] == mixed.per_type["generate"]["completed"] == 32
+    assert homog.mean_decode_batch < mixed.mean_decode_batch
+    with pytest.raises(ValueError, match="homogeneous"):
+        FeatherConfig(homogeneous=1)
+
+
+def test_planned_tiles_cover_every_group():
+    """(G, M) = (S, S) when the planner sizes the tiles, else S // rows tiles of rows."""
+    assert CascadeSettings(8, 16, 256).tiles(200) == (32, 8)
+    assert CascadeSettings(8, 16, 256, planned=True).tiles(200) == (256, 256)
+
+
+def test_mixed_cascade_reads_the_decodes_shared_pages_once_beside_a_prefill():
+    """Two decodes on the same 32 cached pages beside a prefill chunk: the engine's cascade
+    (decode-only steps) saves nothing; modelled in mixed steps it saves 32 page reads."""
+    shared = tuple(range(1, 33))
+    items = [ScheduledItem(9, PREFILL, 0, 16, False, pages=(40,)),
+             ScheduledItem(1, DECODE, 520, 1, True, pages=shared + (50,)),
+             ScheduledItem(2, DECODE, 520, 1, True, pages=shared + (51,))]
+    assert kv_pages_saved(items, 16, CascadeSettings(8, 16, 32)) == 0
+    assert kv_pages_saved(items, 16, CascadeSettings(8, 16, 32, mixed=True)) == 32
+    assert kv_pages_saved(items[1:], 16, CascadeSettings(8, 16, 32)) == 32

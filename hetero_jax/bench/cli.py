@@ -30,6 +30,8 @@ import time
 from hetero_jax.bench.config import BenchConfig, parse_config
 from hetero_jax.bench.loop import closed_loop, counters, counters_delta, summarize
 from hetero_jax.bench.report import COLUMNS, NOTES, plot_results
+from hetero_jax.bench.stats import (bootstrap_interval, inside_noise, ratio_interval,
+                                    rounds_within, run_order)
 from hetero_jax.bench.workloads import (MixedWorkload, SharedPrefixWorkload,
                                         synthetic_iter_retgen)
 from hetero_jax.sched.batching import FeatherConfig
@@ -76,10 +78,11 @@ class Contender:
         self.engine.reset_prefix_cache()
         if not self.dedicated:  # a shared cache: share_compiled_steps
             self.engine.count_compiles()
-        before = counters(self.engine)
+        before, cpu0 = counters(self.engine), time.process_time()
         records = asyncio.run(self._loop(items, clients, on_done, index, iterations))
-        after = counters(self.engine)
+        after, cpu_s = counters(self.engine), time.process_time() - cpu0
         row = summarize(records, counters_delta(before, after), self.token_budget)
+        row.update(cpu_s=cpu_s, requests_per_cpu_s=row["requests"] / cpu_s if cpu_s else None)
         batching = None if self.dedicated else self.engine.stats.batching
         if batching and batching["batching"] != "fcfs":
             row["batching"] = dict(batching)  # the bandit's arm, its mean reward
@@ -147,10 +150,14 @@ def run_bench(cfg: BenchConfig) -> dict:
     combos = [(name, caching, b, arm, cascade) for name in cfg.schedulers
               for b, arm in batchings for caching in cfg.prefix_caching
               for cascade in cfg.cascade]
+    if cfg.aa:  # the first contender twice, the second named with a ': the bench's own noise
+        combos = combos[:1] * 2
     n = len(combos)
     print(f"building {n} engine{'s' if n > 1 else ''} ...", flush=True)
     contenders = [Contender(name, cfg, engine_config, caching, b, arm, cascade)
                   for name, caching, b, arm, cascade in combos]
+    if cfg.aa:
+        contenders[1].name += "'"
     share_compiled_steps([c.engine for c in contenders])
     try:
         lists, docs = workload_items(cfg)
@@ -199,9 +206,9 @@ def share_compiled_steps(engines: list) -> None:
 
 def serve_all(contenders: list, lists: list, cfg: BenchConfig, index, desc: str,
               repeats: int = 1) -> list:
-    """List by list, `repeats` rounds of every contender back to back (round r starts at
-    contender r, so no contender always runs first), under one progress bar -> rows, each the
-    contender's run with the median requests/s."""
+    """List by list, `repeats` interleaved rounds of every contender (`stats.run_order`:
+    round r starts at contender r), under one progress bar -> rows, each the contender's run
+    with the median requests/s and the interval of its mean over the rounds."""
     from tqdm.auto import tqdm
 
     total = repeats * len(contenders) * sum(len(items) for _, items in lists)
@@ -209,11 +216,11 @@ def serve_all(contenders: list, lists: list, cfg: BenchConfig, index, desc: str,
     rows = []
     for label, items in lists:
         runs = {c.name: [] for c in contenders}
-        for r in range(repeats):
-            for c in contenders[r % len(contenders):] + contenders[:r % len(contenders)]:
-                bar.set_postfix_str(f"{c.name} {label}")
-                runs[c.name].append(c.serve(items, cfg.clients, lambda _: bar.update(1), index,
-                                            cfg.iterations))
+        for i in run_order(len(contenders), repeats):
+            c = contenders[i]
+            bar.set_postfix_str(f"{c.name} {label}")
+            runs[c.name].append(c.serve(items, cfg.clients, lambda _: bar.update(1), index,
+                                        cfg.iterations))
         rows += [dict(median_run(rs), ratio=label) for rs in runs.values()]
     bar.close()
     return rows
@@ -221,11 +228,14 @@ def serve_all(contenders: list, lists: list, cfg: BenchConfig, index, desc: str,
 
 def median_run(runs: list) -> dict:
     """The run with the median requests/s (the lower middle one for an even count), with every
-    run's requests/s alongside."""
+    run's requests/s (and per CPU-second) alongside, in round order, and the bootstrap
+    interval of their mean."""
     ordered = sorted(runs, key=lambda r: r["requests_per_s"])
     row = dict(ordered[(len(ordered) - 1) // 2])
     if len(runs) > 1:
         row["requests_per_s_runs"] = [r["requests_per_s"] for r in runs]
+        row["requests_per_cpu_s_runs"] = [r.get("requests_per_cpu_s") for r in runs]
+        row["requests_per_s_ci"] = bootstrap_interval(row["requests_per_s_runs"])
     return row
 
 
@@ -237,14 +247,22 @@ async def _with_front(contender, fn, *a):
         await front.close()
 
 
-def add_ratios(rows: list) -> None:
-    """Each row's requests/s over ibs's (same list), over its own scheduler's without the
-    prefix cache and over its own scheduler's with fcfs batching (when the run compares
-    them)."""
+def add_ratios(rows: list, base_name: str = "ibs") -> None:
+    """Each row's requests/s over `base_name`'s (same list; with repeats, the ratio of the
+    mean requests/s, its bootstrap interval by round and whether it is inside the noise),
+    over its own scheduler's without the prefix cache and over its own scheduler's with fcfs
+    batching (when the run compares them)."""
     rate = {(r["ratio"], r["scheduler"]): r["requests_per_s"] for r in rows}
+    runs = {(r["ratio"], r["scheduler"]): r.get("requests_per_s_runs") for r in rows}
     for r in rows:
-        base = rate.get((r["ratio"], "ibs"))
+        base = rate.get((r["ratio"], base_name))
         r["vs_ibs"] = r["requests_per_s"] / base if base else None
+        mine, theirs = r.get("requests_per_s_runs"), runs.get((r["ratio"], base_name))
+        if mine and theirs and len(mine) == len(theirs) and r["scheduler"] != base_name:
+            r["vs_ibs_mean"] = sum(mine) / sum(theirs)
+            r["vs_ibs_ci"] = ratio_interval(mine, theirs)
+            r["noise"] = "inside" if inside_noise(r["vs_ibs_ci"]) else "outside"
+            r["rounds_within_3pct"] = rounds_within(mine, theirs, 0.03)
         off = rate.get((r["ratio"], r["scheduler"] + "/no-cache"))
         r["vs_no_cache"] = r["requests_per_s"] / off if off else None
         fcfs = rate.get((r["ratio"], re.sub(r"\+[^/]+", "+fcfs", r["scheduler"], count=1)))
@@ -261,7 +279,7 @@ def bench_main(argv=None) -> int:
         from hetero_jax.bench.hf_baseline import run_hf_rows
 
         rows += run_hf_rows(cfg, result["lists"])
-    add_ratios(rows)
+    add_ratios(rows, rows[0]["scheduler"] if cfg.aa else "ibs")
     config = dict(dataclasses.asdict(cfg), wall_s=time.perf_counter() - start,
                   setup_s=result["setup_s"], load_start=load0, load_end=os.getloadavg()[0])
     _print_results(cfg, rows, config)
@@ -287,7 +305,8 @@ def _print_header(cfg: BenchConfig, load: float) -> None:
         sizes = ", ".join(f"{cfg.run_size(r)} at {r[0]}:{r[1]}" for r in cfg.ratios)
         what = (f"mixed requests, {sizes} per run; embeddings of {cfg.embed_len} tokens, "
                 f"prompts of {cfg.prompt_len}, outputs of {cfg.output_len}")
-    runs = "one run" if cfg.repeats == 1 else f"the median of {cfg.repeats} runs"
+    runs = "one run" if cfg.repeats == 1 else f"the median of {cfg.repeats} interleaved runs"
+    runs += "; A/A: the first contender twice" if cfg.aa else ""
     print(f"hetero-jax bench: {source}; schedulers {', '.join(cfg.schedulers)}; "
           f"{cfg.clients} closed-loop clients; {runs} per row; {what}", flush=True)
     print(f"machine: {len(os.sched_getaffinity(0))} cores, load average {load:.1f} (other "

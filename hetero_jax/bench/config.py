@@ -110,8 +110,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="raise a ratio's request count until its run holds this many "
                    "generations (default: --clients; 9:1 then runs 160 requests)")
     p.add_argument("--repeats", type=int_in("repeats"), default=1,
-                   help="timed runs per scheduler and ratio, round robin over the schedulers "
-                   "in a rotating order; each row is the run with the median requests/s")
+                   help="timed runs per scheduler and ratio, interleaved rounds over the "
+                   "schedulers in a rotating order; each row is the run with the median "
+                   "requests/s, with the bootstrap interval over the rounds")
+    p.add_argument("--aa", action="store_true",
+                   help="A/A: run the first contender twice under two names (the second "
+                   "with a '), so the report shows the bench's own noise")
     p.add_argument("--embed-len", type=int_in("embed_len"), default=128,
                    help="tokens per embedding input")
     p.add_argument("--prompt-len", type=int_in("prompt_len"), default=128,
@@ -183,6 +187,7 @@ class BenchConfig:
     requests: int
     min_gens: int
     repeats: int
+    aa: bool  # the first contender twice, as two names
     embed_len: int
     prompt_len: int
     output_len: int

@@ -15,7 +15,9 @@ COLUMNS = [
     ("p99 s", "p99_latency_s", "{:.1f}"), ("TTFT p50 s", "ttft_p50_s", "{:.2f}"),
     ("fill", "budget_fill", "{:.0%}"), ("steps", "steps", "{}"), ("compiles", "compiles", "{}"),
     ("compile s", "compile_s", "{:.1f}"), ("hit", "cache_hit_rate", "{:.0%}"),
-    ("x ibs", "vs_ibs", "{:.2f}"), ("x no cache", "vs_no_cache", "{:.2f}"),
+    ("req/CPU-s", "requests_per_cpu_s", "{:.2f}"), ("x ibs", "vs_ibs", "{:.2f}"),
+    ("x ibs 95% CI", "vs_ibs_ci", "{0[0]:.3f}-{0[1]:.3f}"), ("noise", "noise", "{}"),
+    ("x no cache", "vs_no_cache", "{:.2f}"),
     ("x fcfs", "vs_fcfs", "{:.2f}"),
 ]
 
@@ -24,6 +26,12 @@ NOTES = """\
 req/s, tok/s: per second of serving time, the wall time from the first submit to the last
   finish less the seconds spent compiling new step shapes ("compile s"; a compile stops the
   engine and every closed-loop client with it). gen tok/s counts generated tokens.
+req/CPU-s: requests per CPU-second of the bench's process (every thread; dedicated's worker
+  processes are not counted).
+x ibs 95% CI (with --repeats >= 2): the bootstrap interval of mean req/s over ibs's mean (A/A:
+  over the first contender's), resampling rounds (the contenders run interleaved, one run
+  each per round); noise: "inside" when the interval holds 1, so the repeats cannot tell the
+  two apart.
 p50/p99: latency from submit to finish, all requests; TTFT: generation requests.
 fill: scheduled tokens / (steps x token budget), both workers together for dedicated.
 hit: prompt tokens found in the prefix cache / tokens looked up; "x no cache": requests/s over

@@ -21,8 +21,9 @@ Plain Python; imports no jax.
   The floor starts at `floor` and grows to the batch size with each admission that shares
   with the batch and loses nothing; at most `cap` generation requests run. Decodes: when the
   running batch has no common prefix, the largest group of decodes sharing a first chunk
-  runs, topped up to the floor in admission order; the others wait with their pages (when no
-  two decodes share a chunk, all run). Aging: a request that waited `aging_steps` steps for
+  runs, topped up to the floor in admission order (with `homogeneous`, not topped up: every
+  decode step holds one prefix group); the others wait with their pages (when no two decodes
+  share a chunk, all run). Aging: a request that waited `aging_steps` steps for
   admission, or a decode that has not run for that long, goes first whatever the limits, so
   nothing starves.
 - `feather-bandit`: `feather` whose (loss_limit, cap) arm a sliding-window UCB bandit
@@ -71,6 +72,9 @@ class FeatherConfig:
     # feather-bandit: the share of the fcfs arm's (any loss, no cap) reward exploring may
     # cost (conservative UCB, `bandit.py`); None, or no such arm: plain UCB
     margin: float | None = 0.03
+    # decodes: only the largest group sharing a first chunk runs (and aged ones), never
+    # topped up to the floor, so every decode step is prefix-homogeneous (a fixed arm's choice)
+    homogeneous: bool = False
 
     def __post_init__(self):
         for name, lo in (("chunk_pages", 1), ("floor", 1), ("aging_steps", 1), ("window", 1),
@@ -78,6 +82,8 @@ class FeatherConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < lo:
                 raise ValueError(f"{name}={value!r} must be an integer >= {lo}")
+        if not isinstance(self.homogeneous, bool):
+            raise ValueError(f"homogeneous={self.homogeneous!r} must be True or False")
         (arm,) = make_arms([(self.loss_limit, self.cap)])  # raises naming a bad value
         object.__setattr__(self, "arms", make_arms(self.arms))
         if len(self.arms) > self.window:
@@ -256,7 +262,8 @@ class FeatherBatching(FcfsBatching):
                     if r.request_id not in ids and self._aged(r.request_id, self.last_run)]
             ids.update(r.request_id for r in aged)
             rest = [r for r in reqs if r.request_id not in ids]
-            chosen = aged + lead + rest[:max(self.floor - len(lead) - len(aged), 0)]
+            top_up = 0 if self.cfg.homogeneous else max(self.floor - len(lead) - len(aged), 0)
+            chosen = aged + lead + rest[:top_up]
         chosen = chosen[:max(self.cap, sum(self._aged(r.request_id, self.last_run)
                                            for r in chosen))]
         for r in chosen:

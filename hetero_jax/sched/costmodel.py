@@ -209,6 +209,27 @@ def load_cost_model(spec: str, model: str = "mistral-7b"):
     return LinearCostModel.from_dict(d)
 
 
+AMORTIZED = 1 / 8  # a full step's cost per token may exceed the marginal cost by this much
+
+
+def ridge_budget(model, amortized: float = AMORTIZED, lo: int = 16, hi: int = 8192) -> int:
+    """The token budget a cost model asks for: the smallest power of two in [lo, hi] at which
+    a full step (prefill tokens, no context) costs at most (1 + `amortized`) x its tokens x
+    the marginal cost of a token. Below it a step's fixed part (the weights read of a
+    memory-bound step, a CPU step's intercept) is not yet paid off; above it, every token
+    more only lengthens the step that each running decode waits for. A roofline reaches it
+    at its ridge (about 150 tokens for a 7B bf16 model on an A100 or an H200: 256); a linear
+    fit at ridge / `amortized`, its ridge being intercept / cost per token (about 31 tokens
+    on this CPU: 256)."""
+    def cost(n: int) -> float:
+        return model.step_time(StepShape(prefill_tokens=n, seqs=1, context_tokens=n))
+    marginal = (cost(2 * hi) - cost(hi)) / hi
+    budget = lo
+    while budget < hi and cost(budget) > (1 + amortized) * budget * marginal:
+        budget *= 2
+    return budget
+
+
 @dataclasses.dataclass(frozen=True)
 class StepCost:
     """A cost model as the callable the scheduler's cost-aware IBS takes

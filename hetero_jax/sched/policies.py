@@ -5,7 +5,7 @@ for running decodes, keeps one arrival-ordered candidate stream per request type
 requests with uncomputed input first, then the waiting queue) and handles preemption. A policy
 answers only these questions, so all policies share that structure:
 
-- `plans(pending, decoding)`: which plans to try for this step, in order, until one schedules
+- `plans(pending, gens)`: which plans to try for this step, in order, until one schedules
   something. A `Plan` says whether running decodes run and which types may get chunks.
 - `pick(heads, weights)`: at each selection, which type's head gets the next chunk. `heads`
   maps each type that can still be served this step to `(order_key, request)`; `weights` maps
@@ -74,7 +74,9 @@ class Policy:
     name = ""
     strict = False  # True: one queue; a head that cannot be admitted ends the step's chunks
 
-    def plans(self, pending: dict, decoding: bool) -> list:
+    def plans(self, pending: dict, gens: int) -> list:
+        """`pending`: uncomputed input tokens per type; `gens`: generation requests holding
+        a sequence slot (running: prefilling or decoding)."""
         return [HETERO]
 
     def pick(self, heads: dict, weights: dict) -> str:
@@ -103,32 +105,60 @@ class FcfsPolicy(Policy):
 
 
 class IbsPolicy(Policy):
-    """The paper's Algorithm 2: types share the chunk budget in proportion to their backlog.
+    """The paper's Algorithm 2: types share the chunk budget in proportion to their backlog,
+    led, while the decode batch is thin, by generation prefill.
 
     Credits persist across steps while both types have uncomputed input; when one type has
     none, both restart from zero and the other type takes every selection. A type whose head
     cannot run this step (pages, sequence slots) keeps its credit and yields the rest of the
     step to the other type; a selection with one type left leaves the credits alone.
+
+    Thin batch (`thin_seqs` > 0, not in the paper): while fewer than `thin_seqs` generation
+    requests hold a sequence slot, a generation head takes the selection whatever the
+    credits, so decode chains (the critical path of a burst) start first. These selections
+    leave the credits alone, and at most `max_lead` of them in a row pass over a live
+    embedding head (the lead, restored by each embedding selection): an embedding waits at
+    most Algorithm 2's bound plus `max_lead` selections.
     """
 
     name = "ibs"
 
-    def __init__(self):
+    def __init__(self, thin_seqs: int = 0, max_lead: int = 4):
+        assert thin_seqs >= 0 and max_lead >= 0, f"{thin_seqs=} and {max_lead=} must be >= 0"
         self.credits = Credits(REQUEST_KINDS)
+        self.thin_seqs, self.max_lead = thin_seqs, max_lead
+        self.lead = max_lead  # thin-batch selections left before an embedding is served
+        self.led = False  # whether the last selection was a thin-batch one
+        self._gens = 0  # generation requests holding a slot, counting this step's admissions
         self._contested = False
+        self._undo: tuple = ()  # (lead, gens) before the last selection
 
-    def plans(self, pending: dict, decoding: bool) -> list:
+    def plans(self, pending: dict, gens: int) -> list:
         if not all(pending[kind] > 0 for kind in REQUEST_KINDS):
             self.credits.reset()
+        self._gens = gens
         return [HETERO]
 
     def pick(self, heads: dict, weights: dict) -> str:
-        self._contested = len(heads) > 1
-        if not self._contested:
-            return next(iter(heads))
-        return self.credits.pick({kind: weights[kind] for kind in heads})
+        self._undo = (self.lead, self._gens)
+        self.led = (GENERATE in heads and self._gens < self.thin_seqs
+                    and (EMBED not in heads or self.lead > 0))
+        self._contested = len(heads) > 1 and not self.led
+        if self.led:
+            kind = GENERATE
+            self.lead -= EMBED in heads
+        elif not self._contested:
+            kind = next(iter(heads))
+        else:
+            kind = self.credits.pick({kind: weights[kind] for kind in heads})
+        if kind == EMBED:
+            self.lead = self.max_lead
+        elif heads[GENERATE][0][0] == 1:  # a waiting request: admitted if it runs
+            self._gens += 1
+        return kind
 
     def undo(self, kind: str) -> None:
+        self.lead, self._gens = self._undo
         if self._contested:
             self.credits.undo()
 
@@ -145,9 +175,9 @@ class HomogeneousPolicy(Policy):
     def __init__(self):
         self.last = EMBED
 
-    def plans(self, pending: dict, decoding: bool) -> list:
+    def plans(self, pending: dict, gens: int) -> list:
         gen, emb = Plan(True, (GENERATE,)), Plan(False, (EMBED,))
-        gen_work = pending[GENERATE] > 0 or decoding
+        gen_work = pending[GENERATE] > 0 or gens > 0
         if pending[EMBED] > 0 and (self.last == GENERATE or not gen_work):
             return [emb, gen]
         return [gen, emb]
@@ -185,24 +215,25 @@ class CostAwareIbsPolicy(IbsPolicy):
     happen: the credits go back to where they stood before its first selection of the step,
     as when IBS finds a type's head cannot run (it keeps its credit and the other type's later
     selections are uncontested). So IBS's bound on how long a backlogged type waits holds over
-    the selections that ran.
+    the selections that ran; so does the thin-batch lead, restored with the credits.
     """
 
-    def __init__(self, step_cost):
-        super().__init__()
+    def __init__(self, step_cost, thin_seqs: int = 0, max_lead: int = 4):
+        super().__init__(thin_seqs, max_lead)
         self.step_cost = step_cost
         self.owed = None  # the type the last split deferred, until a step runs it
         self.splits = 0  # steps split so far
-        self._picks: list = []  # (type, credits before the selection) of this step's selections
+        # (type, (credits, lead) before it, whether it led over an embedding) per selection
+        self._picks: list = []
 
-    def plans(self, pending: dict, decoding: bool) -> list:
+    def plans(self, pending: dict, gens: int) -> list:
         self._picks = []
-        return super().plans(pending, decoding)
+        return super().plans(pending, gens)
 
     def pick(self, heads: dict, weights: dict) -> str:
-        before = dict(self.credits.acc)
+        before = dict(self.credits.acc), self.lead
         kind = super().pick(heads, weights)
-        self._picks.append((kind, before))
+        self._picks.append((kind, before, self.led and EMBED in heads))
         return kind
 
     def undo(self, kind: str) -> None:
@@ -218,9 +249,13 @@ class CostAwareIbsPolicy(IbsPolicy):
         keep = self.owed or self._picks[0][0]  # a mixed step holds an embedding selection
         self.owed = GENERATE if keep == EMBED else EMBED
         self.splits += 1
-        first = next((before for kind, before in self._picks if kind == self.owed), None)
-        if first is not None:
-            self.credits.acc = first
+        first = next((i for i, (kind, _, _) in enumerate(self._picks) if kind == self.owed),
+                     None)
+        if first is not None:  # replay the lead over the selections that ran
+            self.credits.acc, self.lead = self._picks[first][1]
+            for kind, _, over in self._picks[first:]:
+                if kind != self.owed:
+                    self.lead = self.max_lead if kind == EMBED else self.lead - over
         return SchedulerOutput(parts[keep].items, out.preempted, out.encoder_items)
 
 
@@ -228,9 +263,11 @@ POLICIES = {p.name: p for p in (IbsPolicy, FcfsPolicy, HomogeneousPolicy)}
 COST_AWARE_IBS = "ibs-cost"  # the sim's and the bench's name for ibs with a step-cost model
 
 
-def make_policy(name: str, step_cost=None) -> Policy:
+def make_policy(name: str, step_cost=None, thin_seqs: int = 0, max_lead: int = 4) -> Policy:
     """The policy `name`; with `step_cost` (`SchedulerOutput -> seconds`, ibs only) the
-    cost-aware IBS."""
+    cost-aware IBS; ibs leads with generation prefill while fewer than `thin_seqs`
+    generation requests run, at most `max_lead` selections in a row over an embedding (0:
+    Algorithm 2 as published)."""
     if name == "dedicated":
         raise ValueError("'dedicated' is an engine mode (one embedding and one generation "
                          "engine), not a scheduling policy: build it with "
@@ -239,9 +276,11 @@ def make_policy(name: str, step_cost=None) -> Policy:
                          + ", ".join(POLICIES))
     if name not in POLICIES:
         raise ValueError(f"unknown scheduler policy {name!r}; expected one of {', '.join(POLICIES)}")
-    if step_cost is None:
-        return POLICIES[name]()
-    if name != IbsPolicy.name or not callable(step_cost):
+    if step_cost is not None and (name != IbsPolicy.name or not callable(step_cost)):
         raise ValueError(f"a step-cost model (a callable, got {type(step_cost).__name__}) is for "
                          f"the {IbsPolicy.name!r} policy only, not {name!r}")
-    return CostAwareIbsPolicy(step_cost)
+    if name != IbsPolicy.name:
+        return POLICIES[name]()
+    if step_cost is None:
+        return IbsPolicy(thin_seqs, max_lead)
+    return CostAwareIbsPolicy(step_cost, thin_seqs, max_lead)

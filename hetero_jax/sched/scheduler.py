@@ -38,6 +38,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import itertools
+import math
 
 from hetero_jax.sched.allocators import CacheStats, PagePool, SlotAllocator
 from hetero_jax.sched.batching import FeatherConfig, make_batching
@@ -67,6 +68,7 @@ class SchedulerConfig:
     feather: FeatherConfig = FeatherConfig()  # the knobs of feather and feather-bandit
     step_cost: object = None  # ibs: SchedulerOutput -> seconds; splits a step when two cost less
     cascade: CascadeSettings | None = None  # plan decode-only steps' cascade tiles (None: never)
+    thin_batch: float = 0.5  # ibs: generation prefill first below this x max_num_seqs running
 
 
 @dataclasses.dataclass
@@ -119,7 +121,9 @@ class _Step:
 class Scheduler:
     def __init__(self, cfg: SchedulerConfig):
         self.cfg = cfg
-        self.policy = make_policy(cfg.policy, cfg.step_cost)
+        assert 0 <= cfg.thin_batch <= 1, f"{cfg.thin_batch=} must be in [0, 1]"
+        self.policy = make_policy(cfg.policy, cfg.step_cost,  # lead: one step's chunks
+                                  math.ceil(cfg.thin_batch * cfg.max_num_seqs), cfg.max_chunk_seqs)
         self.batching = make_batching(cfg)  # batching.py: generation admissions and decodes
         self.pages = PagePool(cfg.num_pages, cfg.prefix_caching)
         self.prefix = PrefixCache(self.pages, cfg.page_size)
@@ -203,8 +207,8 @@ class Scheduler:
         cfg = self.cfg
         step = _Step(cfg.token_budget, cfg.max_chunk_seqs, cfg.encoder_max_seqs)
         self.batching.begin_step()
-        decoding = any(r.is_decoding for r in self.running)
-        for plan in self.policy.plans(dict(self.pending), decoding):
+        gens = sum(r.kind == GENERATE for r in self.running)
+        for plan in self.policy.plans(dict(self.pending), gens):
             self._run_plan(plan, step)
             if step.entries:
                 self.policy.chose(plan)

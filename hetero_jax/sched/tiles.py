@@ -61,16 +61,24 @@ def plan_tiles(page_tables: list, kv_lens: list, page_size: int, num_tiles: int,
 class CascadeSettings:
     """The engine's cascade knobs (`EngineConfig.cascade_rows`, `cascade_min_pages`) and the
     sequence buckets that set the tile count G = S // M of a step with S sequence slots
-    (`seq_buckets`; None: the default buckets of `max_num_seqs`)."""
+    (`seq_buckets`; None: the default buckets of `max_num_seqs`). `planned` and `mixed` are the
+    simulator's what-ifs, which the engine does not do yet: tiles sized by the planner, and
+    cascade over the decodes of a step with prefill or embedding chunks too."""
 
     rows: int = 8  # M; 0 turns cascade off
     min_saved_pages: int = 16
     max_num_seqs: int = 32
     seq_buckets: tuple | None = None
+    planned: bool = False  # up to S tiles of up to S rows: as many and as long as runs need
+    mixed: bool = False  # cascade also over the decodes of a mixed step (kv_pages_saved)
 
     def tiles(self, num_seqs: int) -> tuple:
-        """(G, M) for a step of `num_seqs` decode sequences (S: its sequence bucket)."""
+        """(G, M) for a step of `num_seqs` decode sequences (S: its sequence bucket); with
+        `planned`, (S, S): `plan_tiles` cuts the runs that share a first page into as few
+        tiles as they need, none capped at `rows`."""
         s = pad_to_bucket(num_seqs, self.seq_buckets or default_seq_buckets(self.max_num_seqs))
+        if self.planned:
+            return s, s
         rows = min(self.rows, s)
         return s // rows, rows
 
@@ -87,7 +95,10 @@ class CascadeSettings:
 
 
 def kv_pages_saved(items: list, page_size: int, cascade: CascadeSettings | None) -> int:
-    """Page reads a step of `items` (`ScheduledItem`s) saves under cascade attention."""
+    """Page reads a step of `items` (`ScheduledItem`s) saves under cascade attention (a
+    decode-only step, or with `cascade.mixed` the decodes of any step)."""
+    if cascade is not None and cascade.mixed:
+        items = [it for it in items if it.kind == DECODE]
     plan = None if cascade is None else cascade.plan(items, page_size)
     return 0 if plan is None else saved_pages(plan[0])
 

@@ -9,8 +9,10 @@ limits, a cost model). Out: one row per workload x mix (`--embed-frac`, a comma 
 cascade setting x batching policy (and, with `--each-arm`, feather with each bandit arm
 fixed): generation requests and tokens per second, the ratio to fcfs with the same cascade
 setting, the KV the attention read (GB, from the model's bytes per token), steps, the mean
-decode batch, the steps that used cascade, the prefix-cache hit rate and the bandit's best
-arm. With `--arms`, the bandit's target instead: one row per workload x mix x cascade
+decode batch, the steps that used cascade, the share of decode steps on one prefix group
+("homog"), the ratio to fcfs with the plain kernel (the paper's baseline: cascade off), the
+prefix-cache hit rate and the bandit's best arm. `--planned-tiles`: cascade tiles sized by
+the planner instead of `--cascade-rows` rows. With `--arms`, the bandit's target instead: one row per workload x mix x cascade
 setting with fcfs, every arm of `feather-bandit` run alone as a fixed `feather` on the same
 trace, and the bandit; requests per second (generations and embeddings) of fcfs, of the best
 fixed arm (named) and of the bandit, and the bandit over each. `--json PATH` writes the rows.
@@ -38,6 +40,7 @@ COLUMNS = [("workload", "workload", "{}"), ("mix", "mix", "{}"), ("batching", "b
            ("gen tok/s", "gen_tps", "{:.0f}"), ("x fcfs", "vs_fcfs", "{:.2f}"),
            ("KV read GB", "kv_gb", "{:.0f}"), ("steps", "steps", "{}"),
            ("decode batch", "decode_batch", "{:.1f}"), ("cascade steps", "cascade_steps", "{}"),
+           ("homog", "homog", "{:.0%}"), ("x fcfs/plain", "vs_plain", "{:.2f}"),
            ("hit", "hit_rate", "{:.0%}"), ("best arm", "best_arm", "{}")]
 ARM_COLUMNS = [("workload", "workload", "{}"), ("mix", "mix", "{}"), ("cascade", "cascade", "{}"),
                ("fcfs req/s", "fcfs_rps", "{:.2f}"), ("best fixed arm", "best_arm", "{}"),
@@ -67,6 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="closed loop, or every request queued at time 0")
     p.add_argument("--control", action="store_true", help="also the no-sharing control")
     p.add_argument("--each-arm", action="store_true", help="feather with each arm fixed")
+    p.add_argument("--homogeneous-arm", action="store_true", help="also feather[homog]: "
+                   "feather whose decode steps each hold one prefix group")
     p.add_argument("--arms", action="store_true", help="the bandit against its best fixed "
                    "arm (each run alone on the same trace) and fcfs, one row per setting")
     p.add_argument("--cascade", type=on_off, default="off,on", help="off, on or off,on")
@@ -77,6 +82,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-pages", type=int_range(2, 1 << 30), default=65536)
     p.add_argument("--chunk-pages", type=ints, default=4)
     p.add_argument("--cascade-rows", type=ints, default=8)
+    p.add_argument("--planned-tiles", action="store_true",
+                   help="cascade tiles sized by the planner (a tile per shared prefix, any "
+                   "length), not --cascade-rows rows each")
+    p.add_argument("--mixed-cascade", action="store_true",
+                   help="cascade also over the decodes of mixed steps (not in the engine yet)")
     p.add_argument("--policy", default="ibs", help="the scheduling policy (embed vs generate)")
     p.add_argument("--json", metavar="PATH", type=output_file)
     return p
@@ -92,6 +102,8 @@ def _contenders(args) -> list:
     base = FeatherConfig(chunk_pages=args.chunk_pages)
     names = ("fcfs", "feather-bandit") if args.arms else BATCHING
     out = [(name, name, base) for name in names]
+    if args.homogeneous_arm:
+        out.append(("feather[homog]", "feather", dataclasses.replace(base, homogeneous=True)))
     if args.each_arm or args.arms:
         out += [(f"feather[{arm}]", "feather",
                  dataclasses.replace(base, loss_limit=arm.loss_limit, cap=arm.cap))
@@ -113,8 +125,9 @@ def _settings(args) -> list:
                             gen_output=LengthDist((args.output_len,)), embed_frac=frac,
                             arrival=args.arrival, clients=args.clients, shared=shared)
         for cascade in sorted(args.cascade):
-            settings = CascadeSettings(args.cascade_rows, 16, args.max_num_seqs) if cascade \
-                else None
+            settings = CascadeSettings(args.cascade_rows, 16, args.max_num_seqs,
+                                       args.planned_tiles, args.mixed_cascade) \
+                if cascade else None
             out.append((label, f"{frac:.0%} emb" if frac else "gen", "on" if cascade else "off",
                         wl, settings))
     return out
@@ -156,7 +169,14 @@ def table(args) -> list:
                 vs_fcfs=g["throughput_rps"] / base if base else None,
                 kv_gb=r.kv_read_tokens * spec.kv_bytes_per_token / 1e9, steps=r.steps,
                 decode_batch=r.mean_decode_batch, cascade_steps=r.cascade_steps,
-                hit_rate=r.cache_hit_rate, best_arm=r.batching.get("best_arm", "")))
+                homog=r.homogeneous_decode_share, hit_rate=r.cache_hit_rate,
+                best_arm=r.batching.get("best_arm", "")))
+    plain = {(r["workload"], r["mix"]): r["gen_rps"] for r in rows
+             if r.get("batching") == "fcfs" and r["cascade"] == "off"}
+    for r in rows:  # the paper's baseline: fcfs with the plain kernel
+        base = plain.get((r["workload"], r["mix"]))
+        if "batching" in r:
+            r["vs_plain"] = r["gen_rps"] / base if base else None
     return rows
 
 

@@ -3,7 +3,11 @@
 In: argv (workload, policies, budget, chunk size, replicas, prefix caching, cost model).
 `dedicated` (with `--replicas` >= 2) is the static split: `--embed-replicas` replicas
 (default half) serve only embeddings and the rest only generation, each in arrival order;
-`ibs-cost` is ibs that runs a mixed step as two when the cost model says two cost less.
+`ibs` is the engine's IBS with a cost model known: it starts decode chains first while the
+batch is thin (`--thin-batch`) and runs a mixed step as two when the cost model says two cost
+less (`ibs-cost` is the same); `ibs-paper` is Algorithm 2 as published (neither). The token
+budget defaults to the cost model's (`sched.costmodel.ridge_budget`), the chunk to a quarter of
+it.
 `--workload shared-prefix` runs the bench's groups sharing a prefix (`--groups`,
 `--prompts-per-group`, `--prefix-len`, `--suffix-len`; outputs from `--gen-output`, the mix
 from `--embed-frac`), with `--control` also the same lengths with nothing shared;
@@ -33,7 +37,7 @@ import math
 from hetero_jax.sched import BATCHING, EMBED, GENERATE, POLICIES, SchedulerConfig
 from hetero_jax.sched.policies import COST_AWARE_IBS
 from hetero_jax.sched.router import ROUTERS, RouterConfig
-from hetero_jax.sched.costmodel import HARDWARE, MODELS, StepCost, load_cost_model
+from hetero_jax.sched.costmodel import HARDWARE, MODELS, StepCost, load_cost_model, ridge_budget
 from hetero_jax.sim.options import int_range, name_list, on_off, output_file, real_range, \
     write_json
 from hetero_jax.sim.report import format_table
@@ -47,6 +51,8 @@ LIMITS = dict(budget=(1, 1 << 20), chunk=(1, 1 << 20), max_num_seqs=(1, 100_000)
               prompts_per_group=(1, 1_000_000), prefix_len=(0, 1 << 24), suffix_len=(1, 1 << 24),
               load_slack=(0, 1 << 40))
 LENGTH_SPECS = "128, 96,224, 96:0.55,224:0.45 or 64-256"
+PAPER_IBS = "ibs-paper"  # Algorithm 2 as published: no thin-batch lead, no cost-aware split
+IBS_ROWS = ("ibs", COST_AWARE_IBS, PAPER_IBS)  # rows that run the ibs policy
 
 
 def length_spec(text: str) -> str:
@@ -87,15 +93,22 @@ def build_parser() -> argparse.ArgumentParser:
                                 "policies against a cost model and print what they give.")
     p.add_argument("--policy", default="ibs",
                    help=f"comma-separated policies, or 'all' ({', '.join(POLICIES)}, and "
-                   f"dedicated when --replicas >= 2); {COST_AWARE_IBS}: ibs that splits a mixed "
-                   "step when the cost model says two steps cost less (not in 'all')")
+                   f"dedicated when --replicas >= 2); ibs (= {COST_AWARE_IBS}) splits a mixed "
+                   "step when the cost model says two steps cost less and leads with generation "
+                   f"prefill while the batch is thin; {PAPER_IBS}: Algorithm 2 as published "
+                   "(not in 'all')")
     p.add_argument("--cost", default="roofline:h200",
                    help=f"roofline:<{'|'.join(HARDWARE)}> or a cost model JSON file")
     p.add_argument("--model", default="mistral-7b", choices=list(MODELS), help="roofline model")
     s = p.add_argument_group("scheduler")
     ints = {name: int_range(*limits) for name, limits in LIMITS.items()}
-    s.add_argument("--budget", type=ints["budget"], default=256, help="token budget per step")
-    s.add_argument("--chunk", type=ints["chunk"], default=64, help="chunk size")
+    s.add_argument("--budget", type=ints["budget"], default=None,
+                   help="token budget per step (default: the cost model's, ridge_budget)")
+    s.add_argument("--chunk", type=ints["chunk"], default=None,
+                   help="chunk size (default: a quarter of the budget)")
+    s.add_argument("--thin-batch", type=real_range(0, 1), default=SchedulerConfig.thin_batch,
+                   help="ibs: generation prefill first below this x --max-num-seqs running "
+                   "generations")
     s.add_argument("--max-num-seqs", type=ints["max_num_seqs"], default=64,
                    help="sequences per step (and pooler slots)")
     s.add_argument("--max-chunk-seqs", type=ints["max_chunk_seqs"], default=8,
@@ -164,7 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _policies(parser, args) -> tuple:
     """(policy names, embedding replicas of `dedicated`), or `parser.error`."""
-    known = list(POLICIES) + [COST_AWARE_IBS, "dedicated"]
+    known = list(POLICIES) + [COST_AWARE_IBS, PAPER_IBS, "dedicated"]
     every = list(POLICIES) + (["dedicated"] if args.replicas >= 2 else [])
     policies = every if args.policy == "all" else list(dict.fromkeys(args.policy.split(",")))
     for name in policies:
@@ -236,7 +249,7 @@ def _configs(parser, args, cost) -> tuple:
     sched = SchedulerConfig(
         token_budget=args.budget, chunk_size=args.chunk, max_num_seqs=args.max_num_seqs,
         max_chunk_seqs=args.max_chunk_seqs, page_size=args.page_size, num_pages=args.num_pages,
-        max_model_len=args.max_model_len)
+        max_model_len=args.max_model_len, thin_batch=args.thin_batch)
     workloads = [("", workload)] + (
         [(" unshared", dataclasses.replace(workload, shared=False))] if args.control else [])
     both = len(args.prefix_caching) > 1
@@ -246,9 +259,11 @@ def _configs(parser, args, cost) -> tuple:
         row = f"{name}+{batching}" if len(args.batching) > 1 else name
         for caching in args.prefix_caching:
             policy_sched = dataclasses.replace(
-                sched, policy={"dedicated": "fcfs", COST_AWARE_IBS: "ibs"}.get(name, name),
+                sched, policy="ibs" if name in IBS_ROWS else {"dedicated": "fcfs"}.get(name, name),
                 prefix_caching=caching, batching=batching,
-                step_cost=StepCost(cost, args.page_size) if name == COST_AWARE_IBS else None)
+                step_cost=StepCost(cost, args.page_size) if name in IBS_ROWS else None)
+            if name == PAPER_IBS:
+                policy_sched = dataclasses.replace(policy_sched, step_cost=None, thin_batch=0.0)
             for (suffix, wl), (at, router) in itertools.product(workloads, routers):
                 names.append(f"{row}{'/no-cache' if both and not caching else ''}{suffix}{at}")
                 configs.append(SimConfig(policy_sched, wl, args.replicas,
@@ -271,6 +286,16 @@ def _routers(parser, args) -> list:
              if v is not None}
     return [(f" @{name}" if len(args.router) > 1 else "",
              RouterConfig(name, args.num_pages - 1, **bound)) for name in args.router]
+
+
+def _sizes(args, cost) -> None:
+    """--budget and --chunk, where not given, from the cost model (`ridge_budget`)."""
+    if args.budget is None:
+        args.budget = ridge_budget(cost)
+    if args.chunk is None:
+        args.chunk = max(args.budget // 4, 1)
+    if args.chunk > args.budget:
+        raise ValueError(f"--chunk {args.chunk} exceeds --budget {args.budget}")
 
 
 def _cost_model(parser, args):
@@ -327,6 +352,10 @@ def sim_main(argv=None) -> dict:
     parser = build_parser()
     args = parser.parse_args(argv)
     cost = _cost_model(parser, args)
+    try:
+        _sizes(args, cost)
+    except ValueError as e:
+        parser.error(str(e))
     names, configs = _configs(parser, args, cost)
     results = {name: simulate(cfg, cost) for name, cfg in zip(names, configs)}
     wl = configs[0].workload

@@ -21,8 +21,9 @@ cached pages, so the cost model, which sees only scheduled items, charges nothin
 tokens' FLOPs and weights, and still charges the attention reads over them (an item's context
 is its start plus its tokens). With `SimConfig.cascade` a decode-only step whose sequences
 share cached pages reads them once per tile, as the engine's cascade attention does
-(`sched/tiles.py`); the result counts the KV tokens read, the steps that used cascade and the
-mean decode batch. The fake runner reports the cost model's step time, so the
+(`sched/tiles.py`); the result counts the KV tokens read, the steps that used cascade, the
+mean decode batch and the share of decode steps whose sequences all start on one KV page
+(one prefix group: `homogeneous_decode_share`). The fake runner reports the cost model's step time, so the
 `feather-bandit` batching policy learns from simulated tokens per second. Imports no
 jax.
 """
@@ -32,8 +33,8 @@ import dataclasses
 import heapq
 import itertools
 
-from hetero_jax.sched import (EMBED, GENERATE, Request, RunnerOutput, SampledToken, Scheduler,
-                              SchedulerConfig)
+from hetero_jax.sched import (DECODE, EMBED, GENERATE, Request, RunnerOutput, SampledToken,
+                              Scheduler, SchedulerConfig)
 from hetero_jax.sched.costmodel import StepShape
 from hetero_jax.sched.hashing import chain_seed, extend_hashes
 from hetero_jax.sched.router import Router, RouterConfig
@@ -71,6 +72,7 @@ class _Totals:
     cascade_steps: int = 0
     decode_steps: int = 0
     decode_tokens: int = 0
+    homogeneous_decode_steps: int = 0
 
 
 class Simulation:
@@ -119,6 +121,8 @@ class Simulation:
         tot = self.totals
         return dict(kv_read_tokens=tot.kv_read_tokens, cascade_steps=tot.cascade_steps,
                     mean_decode_batch=tot.decode_tokens / max(tot.decode_steps, 1),
+                    homogeneous_decode_share=tot.homogeneous_decode_steps
+                    / max(tot.decode_steps, 1),
                     batching=self.replicas[0].sched.batching.stats())
 
     def _route(self, req: Request) -> int:
@@ -156,6 +160,7 @@ class Simulation:
         tot.kv_read_tokens += shape.kv_read_tokens
         tot.cascade_steps += shape.shared_kv_tokens > 0
         tot.decode_steps += shape.decode_tokens > 0
+        tot.homogeneous_decode_steps += one_prefix_group(out.items)
         tot.decode_tokens += shape.decode_tokens
         tot.steps += 1
         tot.tokens += out.num_tokens
@@ -173,6 +178,14 @@ class Simulation:
             if self.cfg.workload.arrival == "closed" and self._issued < len(self.specs):
                 self._issue(now)
         replica.busy = False
+
+
+def one_prefix_group(items: list) -> bool:
+    """Whether a step's decodes all start on the same KV page: one prefix group (shared
+    cached pages), the batch Feather wants; False without decodes."""
+    first = {it.pages[0] if it.pages else ("own", it.request_id) for it in items
+             if it.kind == DECODE}
+    return len(first) == 1
 
 
 def _remaining(sched: Scheduler) -> int:
@@ -196,8 +209,9 @@ class SimResult:
     cache_hit_rate: float | None  # hit / query tokens; None when nothing was looked up
     routing: dict = dataclasses.field(default_factory=dict)  # the router's RoutingStats
     kv_read_tokens: int = 0  # KV tokens the attention read, every step
-    cascade_steps: int = 0  # decode-only steps that read shared pages once per tile
+    cascade_steps: int = 0  # steps that read shared pages once per tile
     mean_decode_batch: float = 0.0  # decode tokens per step that has any
+    homogeneous_decode_share: float = 0.0  # of the steps with decodes: one prefix group's
     batching: dict = dataclasses.field(default_factory=dict)  # replica 0's batching stats
 
     @classmethod
