@@ -228,6 +228,8 @@ def test_bench_config_resolves_the_defaults_that_depend_on_other_flags():
     assert cfg.ratios == ((9, 1), (5, 5), (1, 9)) and cfg.run_size((9, 1)) == 50
     quick = parse_config(["--preset", "tiny", "--quick", "--clients", "3"])
     assert (quick.clients, quick.requests, quick.output_len, quick.warmup) == (3, 8, 16, 0)
+    assert parse_config(["--quick"]).preset == "tiny", "README: --quick runs on tiny"
+    assert parse_config(["--quick", "--preset", "small"]).preset == "small"
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.clients = 1
 

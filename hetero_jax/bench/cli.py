@@ -250,7 +250,12 @@ def add_ratios(rows: list) -> None:
 
 
 def bench_main(argv=None) -> int:
-    cfg = parse_config(argv)
+    return run_config(parse_config(argv))
+
+
+def run_config(cfg: BenchConfig) -> int:
+    """The whole bench of a parsed configuration (`hetero-jax bench` parses its flags, so
+    `--help` and bad flags end, before this module and jax are imported)."""
     start, load0 = time.perf_counter(), os.getloadavg()[0]
     _print_header(cfg, load0)
     result = run_bench(cfg)

@@ -41,8 +41,8 @@ from hetero_jax.offline.replica_front import ReplicaFront
 from hetero_jax.offline.rows import InputError, Source, open_source, read_rows
 from hetero_jax.sched import POLICIES
 from hetero_jax.serving.device_groups import visible_gpus
-from hetero_jax.sim.options import compile_cache_dir, int_range, output_file, \
-    output_problem
+from hetero_jax.sim.options import DefaultsHelpFormatter, compile_cache_dir, int_range, \
+    output_file, output_problem
 
 LIMITS = dict(token_budget=(1, 8192), chunk_size=(1, 8192), max_num_seqs=(1, 1024),
               max_in_flight=(1, 1_000_000), seed=(0, 2**32 - 1), replicas=(1, 1024),
@@ -71,7 +71,8 @@ def journal_file(text: str) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="hetero-jax batch", description="Embed and generate for "
+    p = argparse.ArgumentParser(prog="hetero-jax batch", formatter_class=DefaultsHelpFormatter,
+                                description="Embed and generate for "
                                 "every row of a JSONL (or Parquet) file on one engine; resumable.")
     ints = {name: int_range(*limits) for name, limits in LIMITS.items()}
     p.add_argument("input", metavar="INPUT", help="JSONL rows {id, embed | prompt, knobs...} "
