@@ -17,7 +17,8 @@ processes, one core each, behind the prefix-affinity router, or with `--ray` N R
 (`RayReplicaSet`, a local cluster or the one at ADDRESS), both served by `ReplicaFront`),
 `job.run_job` runs every row OUTPUT lacks under a tqdm bar on stderr, and a summary goes to
 stdout. Exit status 0 when the job ran to its end, rows in ERRORS or not (the summary counts
-them); 1 when it stopped early on an error, 130 on Ctrl-C (the rows written are kept: the same
+them), unless every row it ran failed (none written: 1, with a line that says so); 1 when it
+stopped early on an error, 130 on Ctrl-C (the rows written are kept: the same
 command resumes). Where OUTPUT holds `query/<key>` embedding rows, the summary also gives
 their retrieval recall@5 against the `passage/<key>` rows (`recall`).
 """
@@ -301,6 +302,10 @@ def _run(parser, args, plan: Plan, start: float) -> int:
         if args.replicas > 1 or args.ray is not None:
             engine.close()  # the replica processes or actors
     print_summary(args, tally, engine.stats, time.perf_counter() - start)
+    if tally.errors and not tally.written:
+        print(f"hetero-jax batch: every row failed: {tally.errors} rows went to {args.errors}, "
+              f"none to {args.output}", file=sys.stderr)
+        return 1
     return 0
 
 
