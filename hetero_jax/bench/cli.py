@@ -8,7 +8,8 @@
 In: argv, resolved once into a frozen `BenchConfig` (`bench.config`) that every part reads.
 Out: a table on stdout (one row per scheduler x ratio), and optionally JSON
 (`{"config": {...}, "results": [row, ...]}`) and a PNG plot. A tqdm bar (stderr) counts
-finished requests over the whole run.
+finished requests over the whole run, its times without the seconds spent compiling (each
+new step variant says so on stderr: `runner.compile_progress`).
 
 Every scheduler gets its own engine with the same weights and `EngineConfig` (one `Engine`
 per policy, driven by `AsyncEngine`; `dedicated` is a `DedicatedEngine`, two processes on
@@ -202,19 +203,31 @@ def serve_all(contenders: list, lists: list, cfg: BenchConfig, index, desc: str,
     contender's run with the median requests/s."""
     from tqdm.auto import tqdm
 
+    from hetero_jax.runner.compile_progress import BarClock
+
     total = repeats * len(contenders) * sum(len(items) for _, items in lists)
     bar = tqdm(total=total, unit="req", desc=desc, disable=cfg.no_progress)
+    clock = BarClock(bar, lambda: compile_seconds(contenders), time.perf_counter)
     rows = []
     for label, items in lists:
         runs = {c.name: [] for c in contenders}
         for r in range(repeats):
             for c in contenders[r % len(contenders):] + contenders[:r % len(contenders)]:
                 bar.set_postfix_str(f"{c.name} {label}")
-                runs[c.name].append(c.serve(items, cfg.clients, lambda _: bar.update(1), index,
-                                            cfg.iterations))
+                runs[c.name].append(c.serve(items, cfg.clients, lambda _: clock.update(1),
+                                            index, cfg.iterations))
         rows += [dict(median_run(rs), ratio=label) for rs in runs.values()]
     bar.close()
     return rows
+
+
+def compile_seconds(contenders: list) -> float:
+    """Seconds the contenders' engines spent building step variants so far, an executable
+    cache that engines share counted once (a dedicated engine's workers compile in their own
+    processes, unseen here)."""
+    runners = [getattr(c.engine, "runner", None) for c in contenders]
+    caches = {id(r.executable): r.executable for r in runners if r is not None}
+    return sum(cache.seconds for cache in caches.values())
 
 
 def median_run(runs: list) -> dict:

@@ -280,11 +280,15 @@ def _run(parser, args, plan: Plan, start: float) -> int:
     print(line, file=say, flush=True)
     from tqdm.auto import tqdm
 
+    from hetero_jax.runner.compile_progress import BarClock
+
     bar = tqdm(total=plan.rows, unit="row", desc="rows", disable=args.no_progress)
+    clock = BarClock(bar, lambda: engine.stats.compile_s, time.perf_counter)
 
     def on_batch(n: int, tally: Tally) -> None:
-        bar.update(n)
-        bar.set_postfix(tok_s=f"{tally.gen_tokens / max(tally.wall_s, 1e-9):.1f}", refresh=False)
+        clock.update(n)  # the seconds spent compiling are no row's time
+        bar.set_postfix(tok_s=f"{tally.gen_tokens / max(clock.serving_s(), 1e-9):.1f}",
+                        refresh=False)
 
     try:
         tally = run_job(read_rows(plan.source, args.seed), front, plan.journal, plan.errors,

@@ -9,7 +9,8 @@ copy. Token layout of a step (sorted by kind): embedding chunks, prefill chunks,
 tokens, padding (`batch.pack_batch`). Executables are compiled ahead of time per bucket
 variant `(T, S, Sc, pages_per_seq, second_pages)` (`batch.py`) and kept in an
 `ExecutableCache` (bounded by the process's memory mappings), so `compiles` is exact and
-`warmup(keys)` can build every variant; with the persistent compilation cache on
+`warmup(keys)` can build every variant (each build is announced on stderr, "compiling step
+variant k/N": `compile_progress.CompileNotice`); with the persistent compilation cache on
 (`EngineConfig.compile_cache`), a `WarmManifest` lets a second process of the same
 configuration skip the variants already on disk. The runner allocates nothing: pages and
 pooler slots come from the scheduler inside the items.
@@ -34,6 +35,7 @@ from hetero_jax.ops import ragged_paged_attention
 from hetero_jax.ops.pallas_attention import default_block_q, plan_work
 from hetero_jax.runner import pooler
 from hetero_jax.runner.batch import StepBatch, batch_spec, is_cascade, pack_batch
+from hetero_jax.runner.compile_progress import CompileNotice
 from hetero_jax.runner.executables import ExecutableCache, WarmManifest, enable_compile_cache
 from hetero_jax.runner.packed import PackedLayout
 from hetero_jax.runner.sampler import sample
@@ -137,7 +139,8 @@ class DecoderRunner:
         self.state = self.zero_state()
         self.impl = cfg.impl_on(backend)
         self.interpret = self.impl == "pallas" and backend != "gpu"  # Pallas off-GPU: interpret
-        self.executable = ExecutableCache(self._compile)
+        self.executable = ExecutableCache(self._compile,
+                                          on_build=CompileNotice(len(cfg.variants())))
         self.compile_cache = enable_compile_cache(cfg.compile_cache)
         self.cascade_steps = 0
 
@@ -168,15 +171,14 @@ class DecoderRunner:
         many were built (compiled, or loaded from the persistent cache)."""
         manifest = self.manifest()
         on_disk = manifest.keys() if manifest else set()
-        built = 0
-        for key in keys:
-            if key in self.executable or key in on_disk:
-                continue
+        todo = [key for key in keys if key not in self.executable and key not in on_disk]
+        if self.executable.on_build:
+            self.executable.on_build.expect(len(todo))  # "compiling step variant k/len(todo)"
+        for key in todo:
             self.executable(key)
-            built += 1
             if manifest and _written_to_disk():
                 manifest.add([key])
-        return built
+        return len(todo)
 
     @property
     def compile_s(self) -> float:

@@ -37,6 +37,7 @@ from hetero_jax.models.presets import preset_config, preset_dir
 from hetero_jax.models.tokenizer import ByteTokenizer, load_tokenizer
 from hetero_jax.outputs import EngineStats
 from hetero_jax.runner.batch import pack_batch
+from hetero_jax.runner.compile_progress import BarClock
 from hetero_jax.runner.decoder import DecoderRunner
 from hetero_jax.runner.memory import check_memory
 from hetero_jax.runner.sharding import ShardedDecoderRunner, check_tensor_parallel, \
@@ -193,11 +194,12 @@ class Engine(BatchAPI):
                                    "a step-wise caller's): use that front, or wait for them")
             reqs = self.add(requests)
             bar = tqdm(total=len(reqs), desc="requests", unit="req", disable=not use_tqdm)
-            start, tokens0 = time.perf_counter(), self.stats.generated_tokens
+            clock = BarClock(bar, lambda: self.stats.compile_s, time.perf_counter)
+            tokens0 = self.stats.generated_tokens
             try:
                 while self.has_work():
-                    bar.update(len(self.step().finished))
-                    rate = (self.stats.generated_tokens - tokens0) / (time.perf_counter() - start)
+                    clock.update(len(self.step().finished))  # compiling left out of its times
+                    rate = (self.stats.generated_tokens - tokens0) / max(clock.serving_s(), 1e-9)
                     bar.set_postfix(tok_s=f"{rate:.1f}", refresh=False)
             finally:
                 bar.close()
