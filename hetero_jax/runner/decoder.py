@@ -20,7 +20,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-import warnings
 
 import flax.struct
 import jax
@@ -40,6 +39,7 @@ from hetero_jax.runner.executables import ExecutableCache, WarmManifest, enable_
 from hetero_jax.runner.packed import PackedLayout
 from hetero_jax.runner.sampler import sample
 from hetero_jax.sched import EMBED, RunnerOutput
+from hetero_jax.warn import warn
 
 
 @flax.struct.dataclass
@@ -130,10 +130,10 @@ class DecoderRunner:
         backend = jax.default_backend()
         cfg = dataclasses.replace(cfg, dtype=cfg.dtype_on(backend))
         if backend == "cpu" and jnp.dtype(cfg.dtype).itemsize == 2:
-            warnings.warn(f"dtype={cfg.dtype!r} on the CPU backend is slow: XLA:CPU runs 16-bit "
-                          "scatters, gathers and element-wise ops through float32 copies (the "
-                          "small preset's 16-token decode step: 4.9 s in bfloat16 vs 28 ms in "
-                          "float32); use float32 on a CPU", stacklevel=3)
+            warn(f"dtype={cfg.dtype!r} on the CPU backend is slow: XLA:CPU runs 16-bit "
+                 "scatters, gathers and element-wise ops through float32 copies (the "
+                 "small preset's 16-token decode step: 4.9 s in bfloat16 vs 28 ms in "
+                 "float32); use float32 on a CPU")
         self.model_cfg, self.cfg = model_cfg, cfg
         self.params = for_layer_loop(params, cfg.layer_loop)
         self.state = self.zero_state()

@@ -24,11 +24,12 @@ import json
 import os
 import threading
 import time
-import warnings
 from collections.abc import Callable
 
 import jax
 from jax import monitoring
+
+from hetero_jax.warn import warn
 
 _HIT_EVENT = "/jax/compilation_cache/cache_hits"
 _hits = threading.local()  # per thread: persistent-cache hits seen so far
@@ -125,9 +126,8 @@ def enable_compile_cache(path: str | None) -> str | None:
             return current
         path = default_compile_cache()
     if current and os.path.abspath(current) != os.path.abspath(path):
-        warnings.warn(f"compile_cache={path!r} not used: this process already caches compiles "
-                      f"in {current!r} (JAX's cache is process-wide; the first one set holds)",
-                      stacklevel=3)
+        warn(f"compile_cache={path!r} not used: this process already caches compiles in "
+             f"{current!r} (JAX's cache is process-wide; the first one set holds)")
         return current
     os.makedirs(path, exist_ok=True)
     values = dict(jax_compilation_cache_dir=path, jax_persistent_cache_min_compile_time_secs=0.0,

@@ -20,7 +20,6 @@ import itertools
 import os
 import threading
 import time
-import warnings
 
 import jax
 import jax.numpy as jnp
@@ -51,6 +50,7 @@ from hetero_jax.serving.input_processor import EmbeddingModel, InputProcessor
 from hetero_jax.serving.output_processor import error_output, make_output
 from hetero_jax.sim.costmodel import engine_step_cost
 from hetero_jax.sim.kvreads import CascadeSettings
+from hetero_jax.warn import warn
 
 
 @dataclasses.dataclass
@@ -93,9 +93,9 @@ class Engine(BatchAPI):
                 c.cost_model, model_cfg, dtype.itemsize, c.page_size,
                 CascadeSettings(c.cascade_rows, c.cascade_min_pages, c.max_num_seqs))))
         if encoder and c.prefix_caching:
-            warnings.warn("prefix caching serves generation only here: the separate encoder "
-                          "embeds every input whole (a bidirectional encoder has no prefix "
-                          "cache)", stacklevel=2)
+            warn("prefix caching serves generation only here: the separate encoder "
+                 "embeds every input whole (a bidirectional encoder has no prefix "
+                 "cache)")
         self.runner = (ShardedDecoderRunner(model_cfg, c, params, c.tensor_parallel)
                        if c.tensor_parallel > 1 else DecoderRunner(model_cfg, c, params))
         embedding = encoder.embedding_model if encoder else EmbeddingModel(
