@@ -8,11 +8,12 @@ import types
 import pytest
 from tqdm import tqdm
 
-from hetero_jax.runner.compile_progress import NOTICE, BarClock, CompileNotice
+from hetero_jax.runner.compile_progress import LOADING, NOTICE, BarClock, CompileNotice
 from hetero_jax.runner.decoder import DecoderRunner
 from hetero_jax.runner.executables import ExecutableCache
 
-LINE = re.compile(r"compiling step variant (\d+)/(\d+) \(first run only; cached after\)")
+LINE = re.compile(r"(?:compiling step variant (\d+)/(\d+) \(first run only; cached after\)|"
+                  r"loading step variant (\d+)/(\d+) from the compile cache)")
 
 
 def test_each_build_is_announced_once_k_of_n():
@@ -30,13 +31,14 @@ def test_a_warmup_numbers_the_variants_it_builds():
     lines = []
     notice = CompileNotice(100, lines.append)
     runner = types.SimpleNamespace(executable=ExecutableCache(lambda key: key, on_build=notice),
-                                   manifest=lambda: None)
+                                   manifest=lambda: None, notice=notice)
     runner.executable((0,))
     lines.clear()
     assert DecoderRunner.warmup(runner, [(0,), (1,), (2,), (3,)]) == 3
     assert lines == [NOTICE.format(k=k, n=3) for k in (1, 2, 3)]
-    notice((4,))
-    assert lines[-1] == NOTICE.format(k=4, n=4)
+    notice((4,), loading=True)
+    assert lines[-1] == LOADING.format(k=4, n=4)
+    assert lines[-1] == "loading step variant 4/4 from the compile cache"
 
 
 def fake_bar(clock, total=10):
@@ -90,21 +92,31 @@ def test_a_disabled_bar_keeps_no_times_and_serving_time_still_counts():
     assert clock.serving_s() == pytest.approx(6.0)
 
 
+def announced(err: str) -> list:
+    """(k, N) of every compile or load line in `err`."""
+    return [tuple(int(g) for g in m.groups() if g) for m in LINE.finditer(err)]
+
+
 def test_an_engine_announces_every_variant_it_compiles(capsys):
     """A run compiles on first use (k of every variant the configuration allows); a warm-up
-    then numbers the ones it builds; one line per build either way."""
+    then numbers the ones it builds; one line per build either way. A second engine of the
+    same configuration loads what the first wrote to the persistent cache, and says so."""
     from hetero_jax import Engine, EngineConfig, SamplingParams
 
-    engine = Engine.from_preset("tiny", config=EngineConfig(
-        token_budget=64, chunk_size=16, max_num_seqs=8, max_chunk_seqs=1, max_model_len=256,
-        token_buckets=(64,), page_buckets=(16,), compile_cache="none"))
+    config = EngineConfig(token_budget=64, chunk_size=16, max_num_seqs=8, max_chunk_seqs=1,
+                          max_model_len=256, token_buckets=(64,), page_buckets=(16,))
+    engine = Engine.from_preset("tiny", config=config)
     capsys.readouterr()
     engine.generate(["a prompt"], SamplingParams(max_tokens=4), use_tqdm=False)
-    found = [tuple(map(int, m.groups())) for m in LINE.finditer(capsys.readouterr().err)]
+    err = capsys.readouterr().err
     n = len(engine.config.variants())
-    assert found == [(k, n) for k in range(1, engine.stats.compiles + 1)] and found, found
+    assert announced(err) == [(k, n) for k in range(1, engine.stats.compiles + 1)], err
     ran = engine.stats.compiles
     built = engine.warmup()
-    found = [tuple(map(int, m.groups())) for m in LINE.finditer(capsys.readouterr().err)]
-    assert found == [(k, built) for k in range(1, built + 1)], found
-    assert engine.stats.compiles == ran + built
+    assert announced(capsys.readouterr().err) == [(k, built) for k in range(1, built + 1)]
+    assert engine.stats.compiles == ran + built and ran >= 1
+    again = Engine.from_preset("tiny", config=config)
+    capsys.readouterr()
+    again.generate(["a prompt"], SamplingParams(max_tokens=4), use_tqdm=False)
+    err = capsys.readouterr().err
+    assert "compiling" not in err and err.count("from the compile cache") == ran, err

@@ -3,7 +3,8 @@
 In: each build of a new step variant (`ExecutableCache` calls its `on_build` hook before the
 build), and the seconds an engine has spent compiling so far (`EngineStats.compile_s`, or an
 executable cache's `seconds`). Out: one line per build on stderr, "compiling step variant k/N
-(first run only; cached after)", written through `tqdm.write` so a bar on screen stays whole
+(first run only; cached after)" (or "loading ... from the compile cache" for one the
+persistent cache is known to hold), written through `tqdm.write` so a bar on screen stays whole
 (`CompileNotice`); and tqdm bars whose elapsed time, rate and ETA leave those seconds out
 (`BarClock`): a cold run's first rows no longer read as 33 s/row because 141 s of compiling
 landed on them. Imports no jax.
@@ -14,6 +15,7 @@ import sys
 from collections.abc import Callable
 
 NOTICE = "compiling step variant {k}/{n} (first run only; cached after)"
+LOADING = "loading step variant {k}/{n} from the compile cache"
 
 
 def to_stderr(line: str) -> None:
@@ -36,9 +38,11 @@ class CompileNotice:
         """Number the next n builds 1..n (a warm-up's)."""
         self.total, self.shown = n, 0
 
-    def __call__(self, key: tuple) -> None:
+    def __call__(self, key: tuple, loading: bool = False) -> None:
+        """Announce the build of `key`; `loading`: the persistent cache is known to hold it."""
         self.shown += 1
-        self.write(NOTICE.format(k=self.shown, n=max(self.total, self.shown)))
+        self.write((LOADING if loading else NOTICE).format(k=self.shown,
+                                                           n=max(self.total, self.shown)))
 
 
 class BarClock:

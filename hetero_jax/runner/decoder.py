@@ -139,8 +139,8 @@ class DecoderRunner:
         self.state = self.zero_state()
         self.impl = cfg.impl_on(backend)
         self.interpret = self.impl == "pallas" and backend != "gpu"  # Pallas off-GPU: interpret
-        self.executable = ExecutableCache(self._compile,
-                                          on_build=CompileNotice(len(cfg.variants())))
+        self.notice = CompileNotice(len(cfg.variants()))
+        self.executable = ExecutableCache(self._build, on_build=self._announce)
         self.compile_cache = enable_compile_cache(cfg.compile_cache)
         self.cascade_steps = 0
 
@@ -172,12 +172,9 @@ class DecoderRunner:
         manifest = self.manifest()
         on_disk = manifest.keys() if manifest else set()
         todo = [key for key in keys if key not in self.executable and key not in on_disk]
-        if self.executable.on_build:
-            self.executable.on_build.expect(len(todo))  # "compiling step variant k/len(todo)"
+        self.notice.expect(len(todo))  # "compiling step variant k/len(todo)"
         for key in todo:
             self.executable(key)
-            if manifest and _written_to_disk():
-                manifest.add([key])
         return len(todo)
 
     @property
@@ -191,6 +188,21 @@ class DecoderRunner:
         """`step` with the static arguments of variant `key` bound (`kw`: more of them)."""
         return bind_step(self.model_cfg, self.cfg, key, **dict(
             dict(impl=self.impl, interpret=self.interpret), **kw))
+
+    def _announce(self, key: tuple) -> None:
+        """The cache's `on_build`: "compiling step variant k/N", or "loading" when the warm
+        manifest says the persistent cache holds it."""
+        manifest = self.manifest()
+        self.notice(key, loading=bool(manifest) and key in manifest.keys())
+
+    def _build(self, key: tuple):
+        """The cache's build: compile `key` (or load it from the persistent cache), and record
+        it in the warm manifest once jax has written it there."""
+        executable = self._compile(key)
+        manifest = self.manifest()
+        if manifest and _written_to_disk():
+            manifest.add([key])
+        return executable
 
     def _compile(self, key: tuple):
         fn = jax.jit(self.step_fn(key), donate_argnums=(1,))
