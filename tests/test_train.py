@@ -28,7 +28,7 @@ from hetero_jax.train.loss import contrastive_loss
 from hetero_jax.train.step import AdapterConfig, embed_texts, init_lora, jit_train_step
 
 CORPUS = os.path.join(os.path.dirname(__file__), "..", "data", "corpus.jsonl")
-AC = AdapterConfig(pooling="mean", rank=8, learning_rate=5e-3, steps=30)
+AC = AdapterConfig(pooling="mean", rank=8, learning_rate=5e-3, steps=24, warmup=6)
 OPTS = FitOptions(batch_size=32, max_len=48, seed=0)
 OPTIMISED = {"xla_backend_optimization_level": 2, "xla_llvm_disable_expensive_passes": False}
 
