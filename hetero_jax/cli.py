@@ -181,9 +181,11 @@ def main(argv=None) -> int:
         sim_main(argv[1:])
         return 0
     if argv[:1] == ["bench"]:
-        from hetero_jax.bench.cli import bench_main
+        from hetero_jax.bench.config import parse_config  # jax-free: --help stays fast
         try:
-            return bench_main(argv[1:])
+            cfg = parse_config(argv[1:])
+            from hetero_jax.bench.cli import run_config
+            return run_config(cfg)
         except (ValueError, FileNotFoundError) as e:
             print(f"hetero-jax bench: error: {e}", file=sys.stderr)
             return 2

@@ -233,6 +233,21 @@ def test_failed_requests_are_error_rows_and_a_rerun_retries_them(tmp_path):
     assert len(by_id(read_jsonl(tmp_path / "out.jsonl"))) == 20
 
 
+def test_a_run_whose_every_row_failed_exits_1_and_says_so(tmp_path, monkeypatch, capsys):
+    """The corpus file itself is no batch input (rows without 'embed' or 'prompt'): a run of
+    it wrote nothing, and must not look like success. One good row makes it a success."""
+    monkeypatch.setattr(batch_cli, "make_front", fake_front)
+    rows = [{"id": "a", "text": "a passage"}, {"id": "b", "text": "another"}]
+    out, errors = tmp_path / "out.jsonl", tmp_path / "out.jsonl.errors.jsonl"
+    inp = write_jsonl(tmp_path / "corpus.jsonl", rows)
+    assert batch_cli.batch_main([inp, "--output", str(out), "--no-progress"]) == 1
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"hetero-jax batch: every row failed: 2 rows went to {errors}, none to {out}")
+    inp = write_jsonl(tmp_path / "mixed.jsonl", rows + [{"id": "c", "embed": "x"}])
+    assert batch_cli.batch_main([inp, "--output", str(out), "--no-progress"]) == 0
+    assert "every row failed" not in capsys.readouterr().err
+
+
 KILL_SCRIPT = ("import sys\nfrom hetero_jax.offline import cli\nimport tests.test_batch_job as t\n"
                "cli.make_front = t.fake_front\nsys.exit(cli.batch_main(sys.argv[1:]))\n")
 
@@ -398,11 +413,6 @@ def test_an_output_another_job_writes_is_refused(tmp_path, no_engine, capsys):
         with pytest.raises(SystemExit) as e:
             cli.main(["batch", good, "--output", str(out)])
         assert "argument --output:" in error_line(e, capsys)
-
-
-def test_every_batch_flag_has_help_text():
-    actions = [a for a in batch_cli.build_parser()._actions if a.dest != "help"]
-    assert actions and all(a.help for a in actions), [a.dest for a in actions if not a.help]
 
 
 def test_a_bad_input_fails_before_jax_is_imported(tmp_path):

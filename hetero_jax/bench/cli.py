@@ -8,7 +8,8 @@
 In: argv, resolved once into a frozen `BenchConfig` (`bench.config`) that every part reads.
 Out: a table on stdout (one row per scheduler x ratio), and optionally JSON
 (`{"config": {...}, "results": [row, ...]}`) and a PNG plot. A tqdm bar (stderr) counts
-finished requests over the whole run.
+finished requests over the whole run, its times without the seconds spent compiling (each
+new step variant says so on stderr: `runner.compile_progress`).
 
 Every scheduler gets its own engine with the same weights and `EngineConfig` (one `Engine`
 per policy, driven by `AsyncEngine`; `dedicated` is a `DedicatedEngine`, two processes on
@@ -158,7 +159,7 @@ def run_bench(cfg: BenchConfig) -> dict:
                   for name, caching, b, arm, cascade in combos]
     if cfg.aa:
         contenders[1].name += "'"
-    share_compiled_steps([c.engine for c in contenders])
+    share_compiled_steps([c.engine for c in contenders if not c.dedicated])
     try:
         lists, docs = workload_items(cfg)
         index = None
@@ -192,10 +193,8 @@ def share_compiled_steps(engines: list) -> None:
         return dataclasses.replace(config, scheduler="fcfs", batching="fcfs",
                                    feather=FeatherConfig(), cost_model=None)
     owners = []  # (steps-only config, runner) of the first engine of each configuration
-    for engine in engines:
-        runner = getattr(engine, "runner", None)  # a DedicatedEngine has its own processes
-        if runner is None:
-            continue
+    for engine in engines:  # in-process engines (a DedicatedEngine has its own processes)
+        runner = engine.runner
         key = steps_only(engine.config)
         owner = next((r for k, r in owners if k == key), None)
         if owner is None:
@@ -211,19 +210,31 @@ def serve_all(contenders: list, lists: list, cfg: BenchConfig, index, desc: str,
     with the median requests/s and the interval of its mean over the rounds."""
     from tqdm.auto import tqdm
 
+    from hetero_jax.runner.compile_progress import BarClock
+
     total = repeats * len(contenders) * sum(len(items) for _, items in lists)
     bar = tqdm(total=total, unit="req", desc=desc, disable=cfg.no_progress)
+    clock = BarClock(bar, lambda: compile_seconds(contenders), time.perf_counter)
     rows = []
     for label, items in lists:
         runs = {c.name: [] for c in contenders}
         for i in run_order(len(contenders), repeats):
             c = contenders[i]
             bar.set_postfix_str(f"{c.name} {label}")
-            runs[c.name].append(c.serve(items, cfg.clients, lambda _: bar.update(1), index,
+            runs[c.name].append(c.serve(items, cfg.clients, lambda _: clock.update(1), index,
                                         cfg.iterations))
         rows += [dict(median_run(rs), ratio=label) for rs in runs.values()]
     bar.close()
     return rows
+
+
+def compile_seconds(contenders: list) -> float:
+    """Seconds the contenders' engines spent building step variants so far, an executable
+    cache that engines share counted once (a dedicated engine's workers compile in their own
+    processes, unseen here)."""
+    runners = [c.engine.runner for c in contenders if not c.dedicated]
+    caches = {id(r.executable): r.executable for r in runners}
+    return sum(cache.seconds for cache in caches.values())
 
 
 def median_run(runs: list) -> dict:
@@ -270,7 +281,12 @@ def add_ratios(rows: list, base_name: str = "ibs") -> None:
 
 
 def bench_main(argv=None) -> int:
-    cfg = parse_config(argv)
+    return run_config(parse_config(argv))
+
+
+def run_config(cfg: BenchConfig) -> int:
+    """The whole bench of a parsed configuration (`hetero-jax bench` parses its flags, so
+    `--help` and bad flags end, before this module and jax are imported)."""
     start, load0 = time.perf_counter(), os.getloadavg()[0]
     _print_header(cfg, load0)
     result = run_bench(cfg)

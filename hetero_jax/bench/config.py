@@ -14,14 +14,13 @@ import argparse
 import dataclasses
 import os
 
-from hetero_jax.bench.workloads import MixedWorkload, synthetic_iter_retgen
 from hetero_jax.models.presets import PRESETS
 from hetero_jax.config import size_relation
 from hetero_jax.sched.bandit import DEFAULT_ARMS, make_arms
 from hetero_jax.sched.batching import BATCHING
 from hetero_jax.sched.policies import COST_AWARE_IBS
-from hetero_jax.sim.options import compile_cache_dir, int_range, name_list, on_off, \
-    output_file, real_range
+from hetero_jax.sim.options import DefaultsHelpFormatter, compile_cache_dir, int_range, \
+    name_list, on_off, output_file, real_range
 
 SCHEDULERS = ("ibs", "fcfs", "homogeneous", "dedicated")  # the default contenders
 BATCHINGS = BATCHING + ("each-arm",)  # each-arm: feather with every --arms arm fixed, one row each
@@ -31,7 +30,7 @@ LIMITS = dict(clients=(1, 1024), requests=(1, 100_000), min_gens=(0, 100_000), r
               max_chunk_seqs=(1, 64), warmup=(0, 10_000), seed=(0, 2**32 - 1), groups=(1, 10_000),
               prompts_per_group=(1, 10_000), prefix_len=(0, 8192), suffix_len=(1, 8192),
               instruction_len=(0, 8192), chunk_pages=(1, 1024), tensor_parallel=(1, 1024))
-QUICK = dict(clients=4, requests=8, min_gens=2, embed_len=16, prompt_len=16, output_len=16,
+QUICK = dict(preset="tiny", clients=4, requests=8, min_gens=2, embed_len=16, prompt_len=16, output_len=16,
              warmup=0, token_budget=16, chunk_size=16, max_num_seqs=8, max_chunk_seqs=1)
 
 
@@ -73,7 +72,8 @@ def parse_arms(text: str) -> tuple:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="hetero-jax bench", description="Every scheduler on the "
+    p = argparse.ArgumentParser(prog="hetero-jax bench", formatter_class=DefaultsHelpFormatter,
+                                description="Every scheduler on the "
                                 "same closed-loop workload, side by side.")
     p.add_argument("--preset", default="small", choices=list(PRESETS),
                    help="embedded model (random weights, no download)")
@@ -123,8 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output-len", type=int_in("output_len"), default=256,
                    help="generated tokens per generation request (default 256)")
     quick = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in QUICK.items())
-    p.add_argument("--quick", action="store_true", help="a smoke run, well under a minute "
-                   f"with --preset tiny: the defaults become {quick}")
+    p.add_argument("--quick", action="store_true", help="a smoke run, well under a minute: "
+                   f"the defaults become {quick} (flags given still win)")
     p.add_argument("--iterations", type=int_in("iterations"), default=2,
                    help="iter-retgen: retrieve-generate rounds per question")
     p.add_argument("--scale", type=real_range(0, 1, open_lo=True), default=0.05,
@@ -224,6 +224,7 @@ class BenchConfig:
     def from_args(cls, parser, args) -> "BenchConfig":
         """Resolve parsed flags; limits that depend on several flags or on the model go to
         `parser.error`, which names them."""
+        from hetero_jax.bench.workloads import synthetic_iter_retgen  # imports jax
         from hetero_jax.models.config import model_config_from_hf, read_hf_config
         from hetero_jax.models.presets import preset_config
 
@@ -267,6 +268,8 @@ class BenchConfig:
 
     def run_size(self, ratio: tuple) -> int:
         """Requests in a run at `ratio`."""
+        from hetero_jax.bench.workloads import MixedWorkload
+
         if self.workload == "shared-prefix":
             return self.groups * self.prompts_per_group
         return MixedWorkload.run_size(ratio, self.requests, self.min_gens)

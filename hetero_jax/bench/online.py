@@ -33,7 +33,8 @@ import sys
 import time
 
 from hetero_jax.bench.online_report import COLUMNS, Record, plot_cdfs, summarize
-from hetero_jax.sim.options import int_range, name_list, output_file, real_range, write_json
+from hetero_jax.sim.options import DefaultsHelpFormatter, int_range, name_list, output_file, \
+    real_range, write_json
 from hetero_jax.sim.report import format_table
 
 SERVE_FLAGS = ("--preset", "--model", "--token-budget", "--chunk-size", "--max-num-seqs",
@@ -46,8 +47,9 @@ def _rate(text: str) -> float:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="hetero-jax bench-serve", description="Open-loop "
-                                "benchmark of the OpenAI server over HTTP (see the module doc).")
+    p = argparse.ArgumentParser(
+        prog="hetero-jax bench-serve", formatter_class=DefaultsHelpFormatter,
+        description="Open-loop benchmark of the OpenAI server over HTTP (see the module doc).")
     p.add_argument("--url", default=None, help="a running server (else one is started)")
     p.add_argument("--api-key", default=None, help="the server's key, if it needs one")
     p.add_argument("--server-pid", type=int_range(1, 2**31 - 1), default=None,

@@ -17,7 +17,8 @@ processes, one core each, behind the prefix-affinity router, or with `--ray` N R
 (`RayReplicaSet`, a local cluster or the one at ADDRESS), both served by `ReplicaFront`),
 `job.run_job` runs every row OUTPUT lacks under a tqdm bar on stderr, and a summary goes to
 stdout. Exit status 0 when the job ran to its end, rows in ERRORS or not (the summary counts
-them); 1 when it stopped early on an error, 130 on Ctrl-C (the rows written are kept: the same
+them), unless every row it ran failed (none written: 1, with a line that says so); 1 when it
+stopped early on an error, 130 on Ctrl-C (the rows written are kept: the same
 command resumes). Where OUTPUT holds `query/<key>` embedding rows, the summary also gives
 their retrieval recall@5 against the `passage/<key>` rows (`recall`).
 """
@@ -41,8 +42,8 @@ from hetero_jax.offline.replica_front import ReplicaFront
 from hetero_jax.offline.rows import InputError, Source, open_source, read_rows
 from hetero_jax.sched import POLICIES
 from hetero_jax.serving.device_groups import visible_gpus
-from hetero_jax.sim.options import compile_cache_dir, int_range, output_file, \
-    output_problem
+from hetero_jax.sim.options import DefaultsHelpFormatter, compile_cache_dir, int_range, \
+    output_file, output_problem
 
 LIMITS = dict(token_budget=(1, 8192), chunk_size=(1, 8192), max_num_seqs=(1, 1024),
               max_in_flight=(1, 1_000_000), seed=(0, 2**32 - 1), replicas=(1, 1024),
@@ -71,7 +72,8 @@ def journal_file(text: str) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="hetero-jax batch", description="Embed and generate for "
+    p = argparse.ArgumentParser(prog="hetero-jax batch", formatter_class=DefaultsHelpFormatter,
+                                description="Embed and generate for "
                                 "every row of a JSONL (or Parquet) file on one engine; resumable.")
     ints = {name: int_range(*limits) for name, limits in LIMITS.items()}
     p.add_argument("input", metavar="INPUT", help="JSONL rows {id, embed | prompt, knobs...} "
@@ -278,11 +280,15 @@ def _run(parser, args, plan: Plan, start: float) -> int:
     print(line, file=say, flush=True)
     from tqdm.auto import tqdm
 
+    from hetero_jax.runner.compile_progress import BarClock
+
     bar = tqdm(total=plan.rows, unit="row", desc="rows", disable=args.no_progress)
+    clock = BarClock(bar, lambda: engine.stats.compile_s, time.perf_counter)
 
     def on_batch(n: int, tally: Tally) -> None:
-        bar.update(n)
-        bar.set_postfix(tok_s=f"{tally.gen_tokens / max(tally.wall_s, 1e-9):.1f}", refresh=False)
+        clock.update(n)  # the seconds spent compiling are no row's time
+        bar.set_postfix(tok_s=f"{tally.gen_tokens / max(clock.serving_s(), 1e-9):.1f}",
+                        refresh=False)
 
     try:
         tally = run_job(read_rows(plan.source, args.seed), front, plan.journal, plan.errors,
@@ -300,6 +306,10 @@ def _run(parser, args, plan: Plan, start: float) -> int:
         if args.replicas > 1 or args.ray is not None:
             engine.close()  # the replica processes or actors
     print_summary(args, tally, engine.stats, time.perf_counter() - start)
+    if tally.errors and not tally.written:
+        print(f"hetero-jax batch: every row failed: {tally.errors} rows went to {args.errors}, "
+              f"none to {args.output}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -9,7 +9,8 @@ copy. Token layout of a step (sorted by kind): embedding chunks, prefill chunks,
 tokens, padding (`batch.pack_batch`). Executables are compiled ahead of time per bucket
 variant `(T, S, Sc, pages_per_seq, second_pages)` (`batch.py`) and kept in an
 `ExecutableCache` (bounded by the process's memory mappings), so `compiles` is exact and
-`warmup(keys)` can build every variant; with the persistent compilation cache on
+`warmup(keys)` can build every variant (each build is announced on stderr, "compiling step
+variant k/N": `compile_progress.CompileNotice`); with the persistent compilation cache on
 (`EngineConfig.compile_cache`), a `WarmManifest` lets a second process of the same
 configuration skip the variants already on disk. The runner allocates nothing: pages and
 pooler slots come from the scheduler inside the items.
@@ -19,7 +20,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-import warnings
 
 import flax.struct
 import jax
@@ -34,10 +34,12 @@ from hetero_jax.ops import ragged_paged_attention
 from hetero_jax.ops.pallas_attention import default_block_q, plan_work
 from hetero_jax.runner import pooler
 from hetero_jax.runner.batch import StepBatch, batch_spec, is_cascade, pack_batch
+from hetero_jax.runner.compile_progress import CompileNotice
 from hetero_jax.runner.executables import ExecutableCache, WarmManifest, enable_compile_cache
 from hetero_jax.runner.packed import PackedLayout
 from hetero_jax.runner.sampler import sample
 from hetero_jax.sched import EMBED, RunnerOutput, SchedulerOutput
+from hetero_jax.warn import warn
 
 
 @flax.struct.dataclass
@@ -132,16 +134,17 @@ class DecoderRunner:
         backend = jax.default_backend()
         cfg = dataclasses.replace(cfg, dtype=cfg.dtype_on(backend))
         if backend == "cpu" and jnp.dtype(cfg.dtype).itemsize == 2:
-            warnings.warn(f"dtype={cfg.dtype!r} on the CPU backend is slow: XLA:CPU runs 16-bit "
-                          "scatters, gathers and element-wise ops through float32 copies (the "
-                          "small preset's 16-token decode step: 4.9 s in bfloat16 vs 28 ms in "
-                          "float32); use float32 on a CPU", stacklevel=3)
+            warn(f"dtype={cfg.dtype!r} on the CPU backend is slow: XLA:CPU runs 16-bit "
+                 "scatters, gathers and element-wise ops through float32 copies (the "
+                 "small preset's 16-token decode step: 4.9 s in bfloat16 vs 28 ms in "
+                 "float32); use float32 on a CPU")
         self.model_cfg, self.cfg = model_cfg, cfg
         self.params = for_layer_loop(params, cfg.layer_loop)
         self.state = self.zero_state()
         self.impl = cfg.impl_on(backend)
         self.interpret = self.impl == "pallas" and backend != "gpu"  # Pallas off-GPU: interpret
-        self.executable = ExecutableCache(self._compile)
+        self.notice = CompileNotice(len(cfg.variants()))
+        self.executable = ExecutableCache(self._build, on_build=self._announce)
         self.compile_cache = enable_compile_cache(cfg.compile_cache)
         self.cascade_steps = 0
 
@@ -172,15 +175,11 @@ class DecoderRunner:
         many were built (compiled, or loaded from the persistent cache)."""
         manifest = self.manifest()
         on_disk = manifest.keys() if manifest else set()
-        built = 0
-        for key in keys:
-            if key in self.executable or key in on_disk:
-                continue
+        todo = [key for key in keys if key not in self.executable and key not in on_disk]
+        self.notice.expect(len(todo))  # "compiling step variant k/len(todo)"
+        for key in todo:
             self.executable(key)
-            built += 1
-            if manifest and _written_to_disk():
-                manifest.add([key])
-        return built
+        return len(todo)
 
     @property
     def compile_s(self) -> float:
@@ -193,6 +192,21 @@ class DecoderRunner:
         """`step` with the static arguments of variant `key` bound (`kw`: more of them)."""
         return bind_step(self.model_cfg, self.cfg, key, **dict(
             dict(impl=self.impl, interpret=self.interpret), **kw))
+
+    def _announce(self, key: tuple) -> None:
+        """The cache's `on_build`: "compiling step variant k/N", or "loading" when the warm
+        manifest says the persistent cache holds it."""
+        manifest = self.manifest()
+        self.notice(key, loading=bool(manifest) and key in manifest.keys())
+
+    def _build(self, key: tuple):
+        """The cache's build: compile `key` (or load it from the persistent cache), and record
+        it in the warm manifest once jax has written it there."""
+        executable = self._compile(key)
+        manifest = self.manifest()
+        if manifest and _written_to_disk():
+            manifest.add([key])
+        return executable
 
     def _compile(self, key: tuple):
         fn = jax.jit(self.step_fn(key), donate_argnums=(1,))

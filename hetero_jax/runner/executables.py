@@ -1,7 +1,8 @@
 """Ahead-of-time executables, one per bucket variant, over JAX's persistent compilation cache.
 
-`ExecutableCache(build)`: `cache(key)` returns the executable of a variant, building it on
-first use; it counts builds and, among them, loads from the persistent cache (a jax cache-hit
+`ExecutableCache(build, on_build=...)`: `cache(key)` returns the executable of a variant,
+building it on first use (`on_build(key)` first: `compile_progress.CompileNotice` says so on
+stderr); it counts builds and, among them, loads from the persistent cache (a jax cache-hit
 event during the build marks a load), and the seconds spent on both.
 
 Memory mappings bound what a process can hold: XLA:CPU maps three regions per kernel (code,
@@ -23,11 +24,12 @@ import json
 import os
 import threading
 import time
-import warnings
 from collections.abc import Callable
 
 import jax
 from jax import monitoring
+
+from hetero_jax.warn import warn
 
 _HIT_EVENT = "/jax/compilation_cache/cache_hits"
 _hits = threading.local()  # per thread: persistent-cache hits seen so far
@@ -63,8 +65,10 @@ class ExecutableCache:
     """`cache(key)` returns the executable of a variant, building it on first use and holding
     at most what `max_maps` allows (least recently used dropped first; at least one kept)."""
 
-    def __init__(self, build: Callable, max_maps: int | None = None):
+    def __init__(self, build: Callable, max_maps: int | None = None,
+                 on_build: Callable[[tuple], None] | None = None):
         self._build = build  # key -> compiled executable
+        self.on_build = on_build  # called with a key before it is built
         self._held: collections.OrderedDict = collections.OrderedDict()
         self.max_maps = default_max_maps() if max_maps is None else max_maps
         self.builds = 0  # compiled, or loaded from the persistent cache
@@ -86,6 +90,8 @@ class ExecutableCache:
         if key in self._held:
             self._held.move_to_end(key)
             return self._held[key]
+        if self.on_build:
+            self.on_build(key)
         start, hits = time.perf_counter(), getattr(_hits, "n", 0)
         executable = self._build(key)
         self.seconds += time.perf_counter() - start
@@ -120,9 +126,8 @@ def enable_compile_cache(path: str | None) -> str | None:
             return current
         path = default_compile_cache()
     if current and os.path.abspath(current) != os.path.abspath(path):
-        warnings.warn(f"compile_cache={path!r} not used: this process already caches compiles "
-                      f"in {current!r} (JAX's cache is process-wide; the first one set holds)",
-                      stacklevel=3)
+        warn(f"compile_cache={path!r} not used: this process already caches compiles in "
+             f"{current!r} (JAX's cache is process-wide; the first one set holds)")
         return current
     os.makedirs(path, exist_ok=True)
     values = dict(jax_compilation_cache_dir=path, jax_persistent_cache_min_compile_time_secs=0.0,

@@ -21,7 +21,7 @@ import time
 
 from hetero_jax.models.presets import PRESETS
 from hetero_jax.sched import BATCHING, POLICIES
-from hetero_jax.sim.options import int_range
+from hetero_jax.sim.options import DefaultsHelpFormatter, int_range
 
 LIMITS = dict(port=(0, 65535), replicas=(1, 1024), tensor_parallel=(1, 1024),
               token_budget=(1, 8192), chunk_size=(1, 8192), max_num_seqs=(1, 1024),
@@ -42,7 +42,8 @@ def _model_dir(text: str) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="hetero-jax serve", description="An OpenAI-compatible "
+    p = argparse.ArgumentParser(prog="hetero-jax serve", formatter_class=DefaultsHelpFormatter,
+                                description="An OpenAI-compatible "
                                 "server: /v1/completions, /v1/chat/completions, /v1/embeddings, "
                                 "/v1/models, /health, /metrics.")
     ints = {name: int_range(*limits) for name, limits in LIMITS.items()}

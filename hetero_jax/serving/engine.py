@@ -20,7 +20,6 @@ import itertools
 import os
 import threading
 import time
-import warnings
 
 import jax
 import jax.numpy as jnp
@@ -37,6 +36,7 @@ from hetero_jax.models.presets import preset_config, preset_dir, require_local_d
 from hetero_jax.models.tokenizer import ByteTokenizer, load_tokenizer
 from hetero_jax.outputs import EngineStats
 from hetero_jax.runner.batch import pack_batch
+from hetero_jax.runner.compile_progress import BarClock
 from hetero_jax.runner.decoder import DecoderRunner
 from hetero_jax.runner.memory import check_memory
 from hetero_jax.runner.sharding import ShardedDecoderRunner, check_tensor_parallel, \
@@ -48,6 +48,7 @@ from hetero_jax.serving.batch_api import BatchAPI
 from hetero_jax.serving.encoder import SeparateEncoder
 from hetero_jax.serving.input_processor import EmbeddingModel, InputProcessor, expand_samples
 from hetero_jax.serving.output_processor import error_output, make_output
+from hetero_jax.warn import warn
 
 
 @dataclasses.dataclass
@@ -84,9 +85,9 @@ class Engine(BatchAPI):
         self.scheduler = Scheduler(c.scheduler_config(  # first: a bad policy name fails here
             model_cfg, encoder.runner.batch_buckets[-1] if encoder else 0))
         if encoder and c.prefix_caching:
-            warnings.warn("prefix caching serves generation only here: the separate encoder "
-                          "embeds every input whole (a bidirectional encoder has no prefix "
-                          "cache)", stacklevel=2)
+            warn("prefix caching serves generation only here: the separate encoder "
+                 "embeds every input whole (a bidirectional encoder has no prefix "
+                 "cache)")
         self.runner = (ShardedDecoderRunner(model_cfg, c, params, c.tensor_parallel)
                        if c.tensor_parallel > 1 else DecoderRunner(model_cfg, c, params))
         embedding = EmbeddingModel(encoder.tokenizer, encoder.runner.cfg.vocab_size,
@@ -196,11 +197,12 @@ class Engine(BatchAPI):
                                    "a step-wise caller's): use that front, or wait for them")
             reqs = self.add(expand_samples(requests))
             bar = tqdm(total=len(reqs), desc="requests", unit="req", disable=not use_tqdm)
-            start, tokens0 = time.perf_counter(), self.stats.generated_tokens
+            clock = BarClock(bar, lambda: self.stats.compile_s, time.perf_counter)
+            tokens0 = self.stats.generated_tokens
             try:
                 while self.has_work():
-                    bar.update(len(self.step().finished))
-                    rate = (self.stats.generated_tokens - tokens0) / (time.perf_counter() - start)
+                    clock.update(len(self.step().finished))  # compiling left out of its times
+                    rate = (self.stats.generated_tokens - tokens0) / max(clock.serving_s(), 1e-9)
                     bar.set_postfix(tok_s=f"{rate:.1f}", refresh=False)
             finally:
                 bar.close()

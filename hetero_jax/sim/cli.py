@@ -38,8 +38,8 @@ from hetero_jax.sched import BATCHING, EMBED, GENERATE, POLICIES, SchedulerConfi
 from hetero_jax.sched.policies import COST_AWARE_IBS
 from hetero_jax.sched.router import ROUTERS, RouterConfig
 from hetero_jax.sched.costmodel import HARDWARE, MODELS, StepCost, load_cost_model, ridge_budget
-from hetero_jax.sim.options import int_range, name_list, on_off, output_file, real_range, \
-    write_json
+from hetero_jax.sim.options import DefaultsHelpFormatter, int_range, name_list, on_off, \
+    output_file, real_range, write_json
 from hetero_jax.sim.report import format_table
 from hetero_jax.sim.simulate import SimConfig, simulate
 from hetero_jax.sim.workload import ARRIVALS, ORDERS, WORKLOADS, LengthDist, WorkloadConfig
@@ -89,7 +89,8 @@ def longest(dist: LengthDist) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="hetero-jax sim", description="Run scheduling "
+    p = argparse.ArgumentParser(prog="hetero-jax sim", formatter_class=DefaultsHelpFormatter,
+                                description="Run scheduling "
                                 "policies against a cost model and print what they give.")
     p.add_argument("--policy", default="ibs",
                    help=f"comma-separated policies, or 'all' ({', '.join(POLICIES)}, and "

@@ -2,7 +2,8 @@
 
 In: a flag's text. Out: its value, or `argparse.ArgumentTypeError` naming the value and the
 limit (argparse turns it into a `parser.error`, exit status 2). Paths are checked before any
-work (`output_file`, `output_dir`). Imports no jax, so `sim`, `generate` and `bench` check
+work (`output_file`, `output_dir`). `DefaultsHelpFormatter` shows every flag's default in
+`--help`. Imports no jax, so `sim`, `generate` and `bench` check
 their flags before jax loads, and the bench and the simulator parse lists the same way.
 """
 from __future__ import annotations
@@ -12,6 +13,18 @@ import json
 import math
 import os
 import tempfile
+
+
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+    """Help that ends each flag's text with its default, unless the text already says it
+    (a default that depends on other flags) or the flag is a switch (off unless given)."""
+
+    def _get_help_string(self, action) -> str:
+        text = action.help or ""
+        if (not action.option_strings or action.nargs == 0 or "default" in text
+                or action.default is argparse.SUPPRESS):
+            return text
+        return f"{text} (default: %(default)s)"
 
 
 def int_range(lo: int, hi: int):

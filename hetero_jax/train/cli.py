@@ -21,7 +21,7 @@ import time
 from hetero_jax.models.config import PROJECTIONS as TARGETS
 from hetero_jax.models.presets import PRESETS
 from hetero_jax.requests import STREAMING_KINDS as POOLERS
-from hetero_jax.sim.options import int_range, real_range
+from hetero_jax.sim.options import DefaultsHelpFormatter, int_range, real_range
 
 
 
@@ -35,7 +35,7 @@ def _targets(text: str) -> tuple:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="hetero-jax train-adapter", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        prog="hetero-jax train-adapter", formatter_class=DefaultsHelpFormatter,
         description="Fit a LoRA embedding adapter (contrastive, in-batch negatives, optax) on a "
         "frozen model; write a PEFT directory that Engine.from_pretrained(dir, "
         "embed_adapter=OUTPUT) loads.")

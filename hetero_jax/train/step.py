@@ -97,7 +97,15 @@ def _train_step(state: TrainState, params, batch: dict, cfg: ModelConfig, ac: Ad
     return state.replace(step=state.step + 1, lora=lora, opt_state=opt_state), loss
 
 
-train_step = jax.jit(_train_step, static_argnames=("cfg", "ac"), donate_argnums=(0,))
+def jit_train_step(compiler_options: dict | None = None):
+    """`_train_step` jitted, `cfg` and `ac` static, the state donated; `compiler_options`: XLA
+    options for this function's compiles alone (the tests', whose other compiles take XLA's
+    cheapest passes)."""
+    return jax.jit(_train_step, static_argnames=("cfg", "ac"), donate_argnums=(0,),
+                   compiler_options=compiler_options)
+
+
+train_step = jit_train_step()
 train_step.__doc__ = "(state, base params, batch, cfg, ac) -> (next state, loss []): one step."
 
 
