@@ -3,10 +3,10 @@ questions about it, plus its LoRA embedding adapter (`hetero_jax.train`).
 
     PYTHONPATH=. python scripts/build_default_model.py --out DIR [--epochs 36]
 
-Not shipped (docs/results.md): on this shared 2-core CPU the language model reaches about
-1.9 nats/byte in 36 epochs (~35 min under load) and its greedy answers are not readable
-(" The in 1919."); memorising the corpus needs an order of magnitude more tokens than the
-~1,000 bytes/s a training step gets here.
+Not shipped (docs/results.md): on this shared 2-core CPU the language model reaches 1.50
+nats/byte in 36 epochs (40 min under load) and its greedy answers are word-like but not the
+corpus (" The Marres is a the inter stall ..."): it has not memorised the passages, and the
+loss was still falling; it needs many more steps than a CPU gives here.
 
 In: data/corpus.jsonl (104 passages). Each epoch every passage becomes one document in the
 batch example's prompt format, "Passage: <text>\\nQuestion: <q>\\nAnswer: <its first
