@@ -6,7 +6,8 @@ questions about it, plus its LoRA embedding adapter (`hetero_jax.train`).
 Not shipped (docs/results.md): on this shared 2-core CPU the language model reaches 1.50
 nats/byte in 36 epochs (40 min under load) and its greedy answers are word-like but not the
 corpus (" The Marres is a the inter stall ..."): it has not memorised the passages, and the
-loss was still falling; it needs many more steps than a CPU gives here.
+loss was still falling; it needs many more steps than a CPU gives here. Its adapter does
+reach recall@5 0.837 on the held-out question phrasing.
 
 In: data/corpus.jsonl (104 passages). Each epoch every passage becomes one document in the
 batch example's prompt format, "Passage: <text>\\nQuestion: <q>\\nAnswer: <its first
