@@ -1,20 +1,29 @@
 """Build a small trained preset: a byte-level Llama trained with optax on the corpus and
 questions about it, plus its LoRA embedding adapter (`hetero_jax.train`).
 
-    PYTHONPATH=. python scripts/build_default_model.py --out DIR [--epochs 28]
+    PYTHONPATH=. python scripts/build_default_model.py --out DIR [--epochs 36]
 
-Not shipped: at these defaults (25 min wall, shared 2-core CPU, docs/results.md) the model
-reaches 1.88 nats/byte on the answers and its greedy answers are not readable yet ("The the
-the ..."), and the adapter does not learn on its pooled states; it needs far more steps.
+Not shipped (docs/results.md): on this shared 2-core CPU the language model reaches 1.50
+nats/byte in 36 epochs (40 min under load) and its greedy answers are word-like but not the
+corpus (" The Marres is a the inter stall ..."): it has not memorised the passages, and the
+loss was still falling; it needs many more steps than a CPU gives here. Its adapter does
+reach recall@5 0.837 on the held-out question phrasing.
 
-In: data/corpus.jsonl. Each passage becomes one document in the format of the batch example's
-prompts, "Passage: <text>\\nQuestion: What is <title> known for?\\nAnswer: <its first
-sentence>" and EOS; the model (`MINI`, random init from seed 0) learns
-them with next-token cross-entropy (`train.lm`). Then the embedding adapter is fitted on that
-frozen model over (query, passage) pairs made from every passage (`data.corpus_pairs`).
-Out: a model directory (config.json, model.safetensors, tokenizer_config.json naming the
-byte tokenizer) with adapter/ (PEFT) in --out, and the CPU time spent. Every seed is fixed, so a rerun on the same
-jax version and machine writes the same weights.
+In: data/corpus.jsonl (104 passages). Each epoch every passage becomes one document in the
+batch example's prompt format, "Passage: <text>\\nQuestion: <q>\\nAnswer: <its first
+sentence>" and EOS, with <q> one of `TRAIN_TEMPLATES` over the passage's title, drawn per
+(seed, epoch, passage). The batch example's own question, "What is <title> known for?"
+(`HELD_OUT`), is never trained on: neither the model nor the adapter sees it. The passages
+themselves are trained on (the model memorises them). The model (`MINI`, random init from
+--seed) learns every token of the documents with next-token cross-entropy and AdamW
+(`train.lm`, dense causal attention), saving its state after each epoch in --work, so a
+killed run started again resumes. Then the embedding adapter is fitted on that frozen model
+over (question, passage) pairs of the train templates (`train.fit`).
+Out: a model directory in --out (config.json, model.safetensors in fp32, tokenizer_config.json
+naming the byte tokenizer) with adapter/ (PEFT) and build.json (the numbers below); printed:
+the greedy answers to a few held-out questions and recall@5 of the held-out questions over all
+passages before and after the adapter. Every seed is fixed, so a rerun on the same jax version
+and machine writes the same weights.
 """
 from __future__ import annotations
 
@@ -24,62 +33,118 @@ import os
 import re
 import time
 
+import flax.serialization
+import jax
+import jax.numpy as jnp
 import numpy as np
-from tqdm.auto import tqdm
 
 from hetero_jax.models import llama
-from hetero_jax.models.formats.hf_llama import export_hf_model
 from hetero_jax.models.config import ModelConfig
+from hetero_jax.models.formats.hf_llama import export_hf_model
 from hetero_jax.models.tokenizer import BYTE_TOKENIZER_CLASS, ByteTokenizer
 from hetero_jax.train import data
 from hetero_jax.train.checkpoint import export_adapter
 from hetero_jax.train.fit import FitOptions, fit_adapter, recall
-from hetero_jax.train.lm import LMConfig, init_lm_state, lm_batches, lm_step
+from hetero_jax.train.lm import LMConfig, dense_logits, init_lm_state, lm_batches, lm_step
 from hetero_jax.train.step import AdapterConfig, init_lora
 
 CORPUS = os.path.join(os.path.dirname(__file__), "..", "data", "corpus.jsonl")
-# 1.9M parameters, 7.6 MB in fp32 (tied embeddings)
+# 1.9M parameters, 7.6 MB in fp32 (tied embeddings); 4 heads of 64: attention, whose cost
+# grows with heads x length^2, is most of a training step at these sizes
 MINI = ModelConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_layers=3,
-                   num_heads=8, num_kv_heads=4, head_dim=32, max_position_embeddings=2048,
+                   num_heads=4, num_kv_heads=2, head_dim=64, max_position_embeddings=2048,
                    tie_word_embeddings=True, bos_token_id=ByteTokenizer.bos_token_id,
                    eos_token_ids=(ByteTokenizer.eos_token_id,))
-PROMPT = "Passage: {text}\nQuestion: What is {title} known for?\nAnswer:"
+PROMPT = "Passage: {text}\nQuestion: {question}\nAnswer:"
+HELD_OUT = "What is {title} known for?"  # the batch example's question: never trained on
+TRAIN_TEMPLATES = ("Tell me about {title}.", "What do you know about {title}?",
+                   "Describe {title}.", "Why is {title} notable?", "What is {title}?",
+                   "Give one fact about {title}.", "{title}?", "Explain {title} briefly.")
 
 
 def first_sentence(text: str) -> str:
     return re.split(r"(?<=[.!?]) ", text, maxsplit=1)[0]
 
 
-def qa_documents(corpus: list) -> list:
-    """The training texts: each passage with its question and answer (the batch format)."""
-    return [PROMPT.format(**row) + " " + first_sentence(row["text"]) for row in corpus]
+def qa_document(row: dict, template: str) -> str:
+    """One training text: the passage, a question on its title, the answer (batch format)."""
+    question = template.format(title=row["title"])
+    return PROMPT.format(text=row["text"], question=question) + " " + first_sentence(row["text"])
 
 
-def weighted_ids(doc: str, passage_weight: float) -> tuple:
-    """(BOS + the doc's bytes + EOS, the weight of predicting each next token): the passage's
-    own text `passage_weight`, the question and answer 1 (what the prompt asks for)."""
+def epoch_documents(corpus: list, seed: int, epoch: int) -> list:
+    """(token ids: BOS + bytes + EOS, weights: all 1) per passage, its template drawn by
+    (seed, epoch)."""
+    pick = np.random.default_rng([seed, epoch, 1]).integers(0, len(TRAIN_TEMPLATES), len(corpus))
     tok = ByteTokenizer()
-    ids = tok.encode(doc) + [tok.eos_token_id]
-    cut = len(tok.encode(doc.split("\nQuestion:")[0]))  # BOS + "Passage: <text>"
-    weights = [passage_weight] * (cut - 1) + [1.0] * (len(ids) - cut + 1)
-    return ids, weights
+    ids = [tok.encode(qa_document(r, TRAIN_TEMPLATES[t])) + [tok.eos_token_id]
+           for r, t in zip(corpus, pick)]
+    return [(x, [1.0] * len(x)) for x in ids]
 
 
-def train_lm(cfg, docs: list, epochs: int, batch_size: int, seed: int,
-             passage_weight: float) -> dict:
-    ids = [weighted_ids(d, passage_weight) for d in docs]
-    seq_len = -(-max(len(x) for x, _ in ids) // 32) * 32
-    per_epoch = len(lm_batches(ids, batch_size, seq_len, seed, 0))
-    lc = LMConfig(learning_rate=5e-3, steps=epochs * per_epoch)
-    state = init_lm_state(llama.init_params(cfg, seed), lc)
-    bar = tqdm(total=lc.steps, unit="step", desc="language model")
-    for epoch in range(epochs):
-        for tokens, mask in lm_batches(ids, batch_size, seq_len, seed, epoch):
+def train_lm(cfg, corpus: list, args) -> dict:
+    """The language model, resumed from --work/lm_state.msgpack when a run left one."""
+    per_epoch = len(lm_batches(epoch_documents(corpus, args.seed, 0), args.batch_size,
+                               args.seed, 0))
+    lc = LMConfig(learning_rate=args.lr, steps=args.epochs * per_epoch, warmup=20,
+                  weight_decay=0.0)
+    state, first = init_lm_state(llama.init_params(cfg, args.seed), lc), 0
+    path = os.path.join(args.work, "lm_state.msgpack")
+    if os.path.exists(path):
+        with open(path, "rb") as f:
+            saved = flax.serialization.msgpack_restore(f.read())
+        state, first = flax.serialization.from_state_dict(state, saved["state"]), saved["epoch"]
+        print(f"resumed after epoch {first} from {path}")
+    for epoch in range(first, args.epochs):
+        t, losses = time.perf_counter(), []
+        for tokens, mask in lm_batches(epoch_documents(corpus, args.seed, epoch),
+                                       args.batch_size, args.seed, epoch):
             state, loss = lm_step(state, tokens, mask, cfg=cfg, lc=lc)
-            bar.update()
-            bar.set_postfix(loss=f"{float(loss):.3f}", refresh=False)
-    bar.close()
+            losses.append(float(loss))
+        print(f"epoch {epoch + 1}/{args.epochs}: loss {np.mean(losses):.3f} nats/byte, "
+              f"{time.perf_counter() - t:.0f} s", flush=True)
+        blob = {"epoch": epoch + 1, "state": flax.serialization.to_state_dict(state)}
+        with open(path + ".tmp", "wb") as f:
+            f.write(flax.serialization.msgpack_serialize(jax.device_get(blob)))
+        os.replace(path + ".tmp", path)
     return state.params
+
+
+def greedy_answer(params, cfg, prompt: str, max_tokens: int = 48) -> str:
+    """The model's greedy continuation of `prompt` (dense forward; a check, not the engine)."""
+    tok = ByteTokenizer()
+    ids = tok.encode(prompt)
+    size = -(-(len(ids) + max_tokens) // 64) * 64
+    step = jax.jit(dense_logits, static_argnames="cfg")
+    out = []
+    for _ in range(max_tokens):
+        tokens = np.zeros((1, size), np.int32)
+        tokens[0, :len(ids)] = ids
+        nxt = int(jnp.argmax(step(params, cfg, jnp.asarray(tokens))[0, len(ids) - 1]))
+        if nxt == tok.eos_token_id:
+            break
+        ids, out = ids + [nxt], out + [nxt]
+    return tok.decode(out)
+
+
+def fit_embedding_adapter(params, cfg, corpus: list, args) -> tuple:
+    """-> (LoRA weights, info): the adapter on train-template pairs, and recall@5 of the
+    held-out questions over every passage before and after it."""
+    tok, docs = ByteTokenizer(), [(r["title"], r["text"]) for r in corpus]
+    pairs = data.corpus_pairs(docs, TRAIN_TEMPLATES)
+    ac = AdapterConfig(pooling="mean", rank=args.adapter_rank, learning_rate=args.adapter_lr,
+                       steps=args.adapter_steps)
+    opts = FitOptions(batch_size=32, max_len=224, seed=args.seed)
+    state = fit_adapter(params, cfg, tok, pairs, ac, opts, lambda k, loss: print(
+        f"adapter step {k}/{ac.steps}: loss {loss:.3f}", flush=True) if k % 10 == 0 else None)
+    held_out, pool = data.corpus_pairs(docs, (HELD_OUT,)), [r["text"] for r in corpus]
+    before, after = (recall(params, cfg, tok, held_out, pool, "mean", lora, 5, opts.max_len)
+                     for lora in (init_lora(cfg, ac, args.seed), state.lora))
+    info = dict(base="mini", pooling="mean", steps=ac.steps, rank=ac.rank, k=5,
+                recall_before=before, recall_after=after,
+                note=f"recall@5 of the held-out question {HELD_OUT!r} (never trained on) "
+                     "over every corpus passage; the passages were trained on")
+    return state.lora, info
 
 
 def main() -> None:
@@ -87,42 +152,33 @@ def main() -> None:
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--out", required=True, help="model directory to write (to ship it: "
                     "hetero_jax/models/preset_weights/<name>, named in presets.SHIPPED)")
-    ap.add_argument("--epochs", type=int, default=28, help="passes over the documents")
-    ap.add_argument("--batch-size", type=int, default=4, help="documents per step")
-    ap.add_argument("--adapter-steps", type=int, default=100, help="embedding adapter steps")
+    ap.add_argument("--work", default="/tmp/build_default_model",
+                    help="where the language model's state is saved after each epoch")
+    ap.add_argument("--epochs", type=int, default=36, help="passes over the 104 passages")
+    ap.add_argument("--batch-size", type=int, default=8, help="documents per step")
+    ap.add_argument("--lr", type=float, default=3e-3, help="AdamW peak learning rate")
+    ap.add_argument("--adapter-steps", type=int, default=200, help="embedding adapter steps")
+    ap.add_argument("--adapter-lr", type=float, default=3e-3, help="adapter learning rate")
+    ap.add_argument("--adapter-rank", type=int, default=8, help="adapter LoRA rank")
     ap.add_argument("--seed", type=int, default=0, help="init and data order")
-    ap.add_argument("--passage-weight", type=float, default=0.1,
-                    help="loss weight of the passage's own text (questions and answers: 1)")
     args = ap.parse_args()
-    start, cpu = time.perf_counter(), time.process_time()
-    cfg, tok = MINI, ByteTokenizer()
+    os.makedirs(args.work, exist_ok=True)
+    start, cfg = time.perf_counter(), MINI
     corpus = data.read_jsonl(CORPUS)
-    params = train_lm(cfg, qa_documents(corpus), args.epochs, args.batch_size, args.seed,
-                      args.passage_weight)
-    lm_cpu = time.process_time() - cpu
+    params = train_lm(cfg, corpus, args)
+    lm_wall = time.perf_counter() - start
+    for row in corpus[:3]:
+        prompt = PROMPT.format(text=row["text"], question=HELD_OUT.format(title=row["title"]))
+        print(f"{row['title']!r} -> {greedy_answer(params, cfg, prompt)!r}", flush=True)
     export_hf_model(args.out, cfg, params)
     with open(os.path.join(args.out, "tokenizer_config.json"), "w") as f:
         json.dump({"tokenizer_class": BYTE_TOKENIZER_CLASS}, f)
-    pairs = data.corpus_pairs([(r["title"], r["text"]) for r in corpus])
-    ac = AdapterConfig(pooling="mean", rank=8, learning_rate=3e-3, steps=args.adapter_steps)
-    opts = FitOptions(batch_size=32, max_len=128, seed=args.seed)
-    bar = tqdm(total=ac.steps, unit="step", desc="embedding adapter")
-    state = fit_adapter(params, cfg, tok, pairs, ac, opts, lambda k, loss: (
-        bar.update(), bar.set_postfix(loss=f"{loss:.3f}", refresh=False)))
-    bar.close()
-    questions = data.corpus_pairs([(r["title"], r["text"]) for r in corpus],
-                                  data.QUERY_TEMPLATES[:1])
-    pool = list(dict.fromkeys(pairs.passages))
-    before, after = (recall(params, cfg, tok, questions, pool, "mean", lora, 5, opts.max_len)
-                     for lora in (init_lora(cfg, ac, args.seed), state.lora))
-    info = dict(base="mini", pooling="mean", steps=ac.steps, k=5, recall_before=before,
-                recall_after=after, note="recall of 'What is <title> known for?' over every "
-                "corpus passage; these pairs were trained on")
-    export_adapter(os.path.join(args.out, "adapter"), state.lora, cfg.num_layers, info, "mini")
+    lora, info = fit_embedding_adapter(params, cfg, corpus, args)
+    export_adapter(os.path.join(args.out, "adapter"), lora, cfg.num_layers, info, "mini")
     size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(args.out) for f in fs)
     print(f"{args.out}: {cfg.num_params / 1e6:.2f}M params, {size / 1e6:.1f} MB; recall@5 of "
-          f"the corpus questions {before:.3f} -> {after:.3f}; CPU {time.process_time() - cpu:.0f}"
-          f" s ({lm_cpu:.0f} s language model), wall {time.perf_counter() - start:.0f} s")
+          f"the held-out questions {info['recall_before']:.3f} -> {info['recall_after']:.3f}; "
+          f"wall {time.perf_counter() - start:.0f} s ({lm_wall:.0f} s language model)")
 
 
 if __name__ == "__main__":

@@ -41,11 +41,12 @@ def batch_indices(num_pairs: int, batch_size: int, seed: int, step: int) -> np.n
 
 
 def encode_pairs(pairs: Pairs, tokenizer, max_len: int) -> dict:
-    """-> {q [N, S], q_len [N], p [N, S], p_len [N], pid [N]}, S = max_len (one shape: one
-    compile); pid: the passage's index among the distinct ones (pairs with the same pid are
-    not each other's negatives)."""
-    q, q_len = encode(pairs.queries, tokenizer, max_len, pad_to=max_len)
-    p, p_len = encode(pairs.passages, tokenizer, max_len, pad_to=max_len)
+    """-> {q [N, Sq], q_len [N], p [N, Sp], p_len [N], pid [N]}, Sq / Sp = the longest query /
+    passage rounded up to 16, at most max_len (one shape each: one compile; short queries are
+    not padded to the passages' length); pid: the passage's index among the distinct ones
+    (pairs with the same pid are not each other's negatives)."""
+    q, q_len = encode(pairs.queries, tokenizer, max_len)
+    p, p_len = encode(pairs.passages, tokenizer, max_len)
     ids = {text: i for i, text in enumerate(dict.fromkeys(pairs.passages))}
     return dict(q=q, q_len=q_len, p=p, p_len=p_len,
                 pid=np.array([ids[t] for t in pairs.passages], np.int32))
