@@ -188,7 +188,7 @@ BAD_LINES = [
     "\udcff\udcfe not utf-8", "not json", '"a string"', "[1, 2]", "null", '{"embed": "x"}',
     '{"id": [1], "embed": "x"}', '{"id": true, "embed": "x"}', '{"id": 1.5, "prompt": "x"}',
     '{"id": "k", "prompt": "x", "embed": "y"}', '{"id": "k"}', '{"id": "k", "prompt": 5}',
-    '{"id": "k", "prompt": "x", "max_tokens": -1}', '{"id": "k", "prompt": "x", "stop": ["a"]}',
+    '{"id": "k", "prompt": "x", "max_tokens": -1}', '{"id": "k", "prompt": "x", "n": 2}',
     '{"id": "k", "prompt": "x", "max_tokens": ' + "7" * 4500 + "}",
     OVER_LIMIT, '{"id": "k", "embed": "x", "pooling": 3}',
     '{"id": "k", "prompt": "x", "temperature": NaN}', '{"id": "k", "prompt": {"a": 1}}',
