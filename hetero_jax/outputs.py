@@ -91,10 +91,12 @@ class RequestError(ValueError):
 @dataclasses.dataclass
 class RequestResult:
     """What became of one request a front took in: its `output` (with `finish_reason="error"`
-    when it failed running), or, when the checks refused it before it ran, the `error`."""
+    when it failed running), or, when the checks refused it before it ran, the `error`; or,
+    for a streamed generation that goes on, the `delta` one step added (neither of those)."""
 
     output: RequestOutput | EmbeddingOutput | None = None
     error: RequestError | None = None
+    delta: GenerateDelta | None = None
 
 
 class RequestFailed(RuntimeError):

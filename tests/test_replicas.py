@@ -135,6 +135,41 @@ def test_the_asyncio_front_serves_coroutines_and_cancels(replicas, one):
                                rtol=1e-5, atol=1e-6)
 
 
+def test_replica_streams_send_a_delta_per_step_that_joins_to_the_output(replicas, one):
+    """A streamed generation's worker sends one delta per step that gave it a token and did
+    not end it (`collect` hands each on); through the front, the deltas' ids, text and
+    log-probs join to the final output, whose greedy tokens are one engine's; an embedding and
+    an unstreamed request (the batch path) still come back only when they end."""
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2)
+    (want,) = one.generate([[256, 5, 6]], params, use_tqdm=False)
+    (tag,) = replicas.submit([GenerateRequest([256, 5, 6], params)], stream=True)
+    plain = replicas.submit([GenerateRequest([256, 5, 6], params), EmbedRequest([1, 2])])
+    got: list = []
+    while len([r for _, r in got if r.delta is None]) < 3:
+        got += replicas.collect(timeout=1.0)
+    deltas = [r.delta for t, r in got if r.delta is not None]
+    (out,) = [r.output for t, r in got if t == tag and r.delta is None]
+    assert all(t == tag for t, r in got if r.delta is not None), "only the streamed one"
+    assert [len(d.token_ids) for d in deltas] == [1] * 11, "one per step but the last"
+    assert sum((d.token_ids for d in deltas), []) == out.token_ids[:11] == want.token_ids[:11]
+    assert {t for t, r in got if r.delta is None} == {tag, *plain}
+
+    async def main():
+        front = AsyncReplicas(replicas)
+        stream = [d async for d in front.generate([256, 5, 6], params, request_id="s")]
+        await front.close()
+        return stream
+
+    stream = asyncio.run(main())
+    last = stream[-1].output
+    assert len(stream) > 1 and stream[-1].finished and not any(d.finished for d in stream[:-1])
+    assert {d.request_id for d in stream} == {"s"} and last.token_ids == want.token_ids
+    assert sum((d.token_ids for d in stream), []) == last.token_ids
+    assert "".join(d.text for d in stream) == last.text == want.text
+    assert sum((d.logprobs for d in stream), []) == last.logprobs
+    assert replicas.in_flight == 0
+
+
 def test_the_batch_job_on_replicas_writes_the_rows_of_one_engine(replicas, one, tmp_path):
     inp = write_jsonl(tmp_path / "in.jsonl", mixed_rows(18) + [{"id": "bad", "prompt": []}])
     run_rows(inp, tmp_path / "one.jsonl", EngineFront(one, max_in_flight=6))

@@ -7,8 +7,11 @@ raises `RequestError` there), then the request is on its replica. One collector 
 for the set's finished requests (`collect`, whose `RequestResult`s carry an output or the
 `RequestError` with which the replica's checks refused the request) and delivers them: a
 request that failed running or whose replica died raises `RequestFailed` (the others go on).
-A replica reports a request when it finishes, so a generation's stream has one delta, the
-finished one. Aborting a request aborts it on its replica. `stats` sums the replicas'
+Generations are submitted with `stream=True`, so a `ReplicaSet`'s worker sends each step's
+delta (built there from the host-side request, as `stepper.Stepper` does) and the collector
+hands it on as an `"out"` event, renamed with the caller's id; the finished output's last
+delta is what it holds beyond the ids and text already sent. (`RayReplicaSet` reports a
+request when it ends: its stream has one delta, the finished one.) Aborting a request aborts it on its replica. `stats` sums the replicas'
 counters; its `waiting` counts the requests in flight by kind (the replicas do not report
 their queues). `close()` fails and aborts every request still in flight; the replica
 processes stay up (close the set for that).
@@ -22,6 +25,7 @@ caller waiting, since a worker's batch runs whole. Imports no jax.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import itertools
 import threading
 
@@ -39,12 +43,23 @@ def _kind(request) -> str:
     return EMBED if type(request) is EmbedRequest else GEN
 
 
-def finished_event(cid, kind: str, rid, out) -> tuple:
+def finished_event(cid, kind: str, rid, out, num_sent: int = 0, sent: str = "") -> tuple:
     """The event of a request a core learns of when it ends: its output (a generation's as
-    its one, final delta), or RequestFailed when the engine failed it."""
+    its final delta, beyond the `num_sent` ids and text `sent` already streamed), or
+    RequestFailed when the engine failed it."""
     if out.finish_reason == "error":
         return cid, "error", RequestFailed(rid, out.error)
-    return cid, "end", out if kind == EMBED else final_delta(out, 0, "", rid)
+    return cid, "end", out if kind == EMBED else final_delta(out, num_sent, sent, rid)
+
+
+@dataclasses.dataclass
+class _Flight:
+    """A request on a replica: its kind, the caller's id, and what of it went out."""
+
+    kind: str
+    request_id: object
+    num_sent: int = 0
+    text: str = ""
 
 
 class ReplicaCore:
@@ -53,7 +68,7 @@ class ReplicaCore:
     def __init__(self, replicas):
         self.replicas = replicas
         self._deliver = None
-        self._flights: dict = {}  # tag -> (kind, the caller's id), until delivered
+        self._flights: dict = {}  # tag -> _Flight, until delivered
         self._lock = threading.Lock()  # a tag is in `_flights` before the collector sees it
         self._wake = threading.Event()
         self._stopping = False
@@ -72,9 +87,10 @@ class ReplicaCore:
 
     def submit(self, request, request_id) -> tuple:
         with self._lock:
-            (tag,) = self.replicas.submit([request])  # raises here, in the caller
+            kind = _kind(request)
+            (tag,) = self.replicas.submit([request], stream=kind == GEN)  # raises here
             rid = tag if request_id is None else request_id
-            self._flights[tag] = (_kind(request), rid)
+            self._flights[tag] = _Flight(kind, rid)
         if self._thread is None:
             self._thread = threading.Thread(target=self._collect, daemon=True,
                                             name="hetero-jax-collect")
@@ -88,8 +104,8 @@ class ReplicaCore:
 
     def stats(self) -> FrontStats:
         waiting: dict = {}
-        for kind, _ in list(self._flights.values()):
-            waiting[kind] = waiting.get(kind, 0) + 1
+        for flight in list(self._flights.values()):
+            waiting[flight.kind] = waiting.get(flight.kind, 0) + 1
         return FrontStats(self.replicas.stats, waiting, {}, StepTimes())
 
     def stop(self) -> None:
@@ -107,19 +123,26 @@ class ReplicaCore:
                 self._wake.wait()
                 self._wake.clear()
                 continue
-            events, finished = [], self.replicas.collect(POLL_S)
+            results = self.replicas.collect(POLL_S)
             with self._lock:
-                flights = [(tag, self._flights.pop(tag, None), result)
-                           for tag, result in finished]
-            for tag, flight, result in flights:
-                if flight is None:  # aborted meanwhile
-                    continue
-                if result.error is not None:  # the replica's checks refused it
-                    events.append((tag, "error", result.error))
-                else:
-                    events.append(finished_event(tag, *flight, result.output))
+                events = [e for e in (self._event(*r) for r in results) if e is not None]
             if events:
                 self._deliver(events)
+
+    def _event(self, tag, result):
+        """A collected (tag, RequestResult) -> its event, or None for an aborted request."""
+        flight = self._flights.get(tag) if result.delta is not None else \
+            self._flights.pop(tag, None)
+        if flight is None:
+            return None
+        if result.delta is not None:  # a step of a stream that goes on
+            flight.num_sent += len(result.delta.token_ids)
+            flight.text += result.delta.text
+            return tag, "out", dataclasses.replace(result.delta, request_id=flight.request_id)
+        if result.error is not None:  # the replica's checks refused it
+            return tag, "error", result.error
+        return finished_event(tag, flight.kind, flight.request_id, result.output,
+                              flight.num_sent, flight.text)
 
 
 class AsyncReplicas(Front):

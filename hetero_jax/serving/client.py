@@ -14,9 +14,10 @@ caller's id. `stats` is a `FrontStats`: the engine's counters plus the queue by 
 histogram of step times.
 
 One implementation, `front.Front`, over a core per kind of engine: `AsyncEngine` (one engine
-in this process, streaming per step), `AsyncReplicas` (replicas in processes or Ray actors)
-and `AsyncDedicated` (dedicated mode's two workers); a stream of the last two has one delta,
-the finished one, since they learn of a request when it ends.
+in this process, streaming per step), `AsyncReplicas` (replicas in processes, streaming
+per step, or Ray actors) and `AsyncDedicated` (dedicated mode's two workers); a stream over
+Ray actors or dedicated mode has one delta, the finished one, since they learn of a request
+when it ends.
 """
 from __future__ import annotations
 

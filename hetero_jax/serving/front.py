@@ -12,8 +12,8 @@ list of events to the event loop in one `call_soon_threadsafe`, so the core neve
 a loop busy with HTTP or retrieval, and routes them to the request's queue.
 
 Cores: `async_engine.EngineCore` (one `Engine` in this process, stepped by a
-`stepper.Stepper`: a delta per step), `async_replicas.ReplicaCore` (a `ReplicaSet` or
-`RayReplicaSet`: one delta, the finished one) and `async_replicas.DedicatedCore` (a
+`stepper.Stepper`: a delta per step), `async_replicas.ReplicaCore` (a `ReplicaSet`: a
+delta per step, sent by its workers; a `RayReplicaSet`: one delta, the finished one) and `async_replicas.DedicatedCore` (a
 `DedicatedEngine`: one batch per worker at a time). Leaving a stream early, cancelling a
 coroutine or `abort(request_id)` aborts its request; `close()` stops the core and fails every
 request still in flight with `RequestFailed`. A front serves one event loop (another loop

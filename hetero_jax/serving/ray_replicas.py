@@ -209,7 +209,9 @@ class RayReplicaSet(RoutedReplicas):
                 out += self._lost(*failure) if failure is not None else []
         return out
 
-    def _dispatch(self, batches: dict) -> None:
+    def _dispatch(self, batches: dict, stream: bool) -> None:
+        """One `serve` call per replica; `stream` is ignored: a call returns when all of its
+        requests end, so a stream gets one delta, the finished one."""
         for replica, items in batches.items():
             ref = self.actors[replica].serve.remote(items)
             self._calls[ref] = (replica, [tag for tag, _ in items])

@@ -5,7 +5,10 @@ drives it through a `drive.Drive`: it reads every command waiting on its pipe (b
 when the engine is idle), runs one step, and, when some requests finished, sends `("done",
 ([(tag, RequestResult)], stats))` for them. Commands: `("add", [(tag, request)])` prepares and
 queues each request (one its checks refuse comes back at once, its `RequestError` naming it as
-index 0), `("abort", [tag])`, `("warmup", None) -> ("warmed", compiles)`, `("close", None)`. A
+index 0); `("stream", [(tag, request)])` does the same and, after each step that gave one of
+those generations tokens and did not end it, sends `("deltas", [(tag, GenerateDelta)])` before
+that step's `"done"` (`Drive.step_with_deltas`; an "add"ed request sends nothing until it
+ends, so the batch path costs what it did); `("abort", [tag])`, `("warmup", None) -> ("warmed", compiles)`, `("close", None)`. A
 step that raises with no request to blame (the engine already failed any culprit alone) sends
 `("failed", (tags, reason))` for every request of this replica, aborted, and the worker keeps
 serving. The parent's `reader` thread moves each message onto one queue shared by all
@@ -52,19 +55,21 @@ def worker(index: int, core: int, source: ModelSource, config: EngineConfig, con
             if reply is not None:
                 conn.send(reply)
         try:
-            results = drive.step()
+            deltas, results = drive.step_with_deltas()
         except Exception as e:  # noqa: BLE001 - no request to blame: fail this replica's own
             why = f"replica {index} failed a step: {type(e).__name__}: {e}"
             conn.send(("failed", (drive.abort_all(), why)))
             continue
+        if deltas:
+            conn.send(("deltas", deltas))
         if results:
             conn.send(("done", (results, engine.stats)))
 
 
 def _handle(drive: Drive, cmd: str, arg):
     """One command between steps -> the reply to send, or None."""
-    if cmd == "add":
-        refused = drive.admit(arg)
+    if cmd in ("add", "stream"):
+        refused = drive.admit(arg, stream=cmd == "stream")
         return ("done", (refused, drive.engine.stats)) if refused else None
     if cmd == "abort":
         drive.abort(arg)

@@ -11,10 +11,13 @@ own core with one XLA thread (`processes.child_env`; this module imports no jax)
 GPUs each replica also gets its own `tensor_parallel` of them, replica i the parent's GPUs
 [i * tp, (i + 1) * tp), through the child's CUDA_VISIBLE_DEVICES (`device_groups`; more
 replicas than the GPUs serve is refused before any process starts). The parent
-talks to it through one duplex pipe: `("add", [(tag, request)])`, `("abort", [tag])`,
-`("warmup", None)`, `("close", None)`. The worker steps while it has work and reads the pipe
-between steps; after each step it sends `("done", ([(tag, RequestResult)], stats))` for the
-requests that finished, and at once the `RequestError`s of those its checks refused. A step
+talks to it through one duplex pipe: `("add", [(tag, request)])` (`("stream", ...)` for requests
+submitted with `stream=True`), `("abort", [tag])`, `("warmup", None)`, `("close", None)`. The
+worker steps while it has work and reads the pipe between steps; after each step it sends
+`("deltas", [(tag, GenerateDelta)])` for the streamed generations that step gave tokens (which
+`collect` hands on as `RequestResult(delta=...)`), then `("done", ([(tag, RequestResult)],
+stats))` for the requests that finished, and at once the `RequestError`s of those its checks
+refused. A step
 that fails with no request to blame sends `("failed", (tags, reason))`: every request of that
 replica fails (`finish_reason="error"`), and the replica goes on serving. One reader thread
 per replica moves its messages, and `("dead", exit code)` when its pipe closes, onto one queue that
@@ -41,6 +44,7 @@ import weakref
 
 from hetero_jax.config import EngineConfig, config_or_default
 from hetero_jax.models.presets import preset_config
+from hetero_jax.outputs import RequestResult
 from hetero_jax.sched.router import RouterConfig
 from hetero_jax.serving.device_groups import device_groups, visible_gpus
 from hetero_jax.serving.placement import router_policy
@@ -155,8 +159,9 @@ class ReplicaSet(RoutedReplicas):
         return total
 
     def collect(self, timeout: float | None = None) -> list:
-        """(tag, `RequestResult`) for requests that finished, waiting up to `timeout` seconds
-        for the first; [] if none did."""
+        """(tag, `RequestResult`) for requests that finished, and, before a streamed one's
+        end, one with its `delta` for each step that gave it tokens; waits up to `timeout`
+        seconds for the first; [] if none came."""
         try:
             events = [self._events.get(timeout=timeout)]
         except queue.Empty:
@@ -174,6 +179,9 @@ class ReplicaSet(RoutedReplicas):
                 elif kind == "done":
                     results, self.replica_stats[index] = payload
                     out += [x for x in (self._finish(*r) for r in results) if x is not None]
+                elif kind == "deltas":
+                    out += [(tag, RequestResult(delta=d)) for tag, d in payload
+                            if tag in self._flights]
                 elif kind == "failed":
                     out += self._lost(*payload)
         return out
@@ -184,9 +192,9 @@ class ReplicaSet(RoutedReplicas):
         # while its reader thread is reaping it (two waitpid calls race)
         return not multiprocessing.connection.wait([self._procs[replica].sentinel], 0)
 
-    def _dispatch(self, batches: dict) -> None:
+    def _dispatch(self, batches: dict, stream: bool) -> None:
         for replica, items in batches.items():
-            self._send(replica, ("add", items))
+            self._send(replica, ("stream" if stream else "add", items))
 
     def _drop(self, batches: dict) -> None:
         for replica, tags in batches.items():

@@ -49,8 +49,9 @@ class RoutedReplicas(BatchAPI):
         self._tags = itertools.count()
         self._lock = threading.Lock()
 
-    def _dispatch(self, batches: dict) -> None:
-        """Send each replica its [(tag, request)] ({replica: items})."""
+    def _dispatch(self, batches: dict, stream: bool) -> None:
+        """Send each replica its [(tag, request)] ({replica: items}); `stream`: ask for
+        their per-step deltas (a transport that cannot stream reports them at the end)."""
         raise NotImplementedError
 
     def _drop(self, batches: dict) -> None:
@@ -103,12 +104,13 @@ class RoutedReplicas(BatchAPI):
             self.abort([t for t in tags if t not in results])
         return [results[t] for t in tags]
 
-    def submit(self, requests: list) -> list:
+    def submit(self, requests: list, stream: bool = False) -> list:
         """Check, route and send requests; -> their tags (= request ids), in order. A request
         of the wrong type or whose input cannot be tokenized raises before any is sent,
-        naming its index."""
+        naming its index. `stream`: `collect` also gives each generation's per-step deltas
+        (on replicas that stream: `ReplicaSet`'s processes, not Ray's actors)."""
         keys = [self._key(i, r) for i, r in enumerate(requests)]
-        return self._route(list(enumerate(requests)), keys)
+        return self._route(list(enumerate(requests)), keys, stream)
 
     def offer(self, requests: list) -> tuple[dict, dict]:
         """As `submit`, but a request the checks refuse is not sent and raises nothing: ->
@@ -129,7 +131,7 @@ class RoutedReplicas(BatchAPI):
         check_request_type(index, r)
         return self.placement.key(index, r)
 
-    def _route(self, named: list, keys: list) -> list:
+    def _route(self, named: list, keys: list, stream: bool = False) -> list:
         """Route and send [(index errors name it by, request)] with their placement keys ->
         their tags."""
         live = [k for k in range(self.num_replicas) if self.alive[k] and self._running(k)]
@@ -145,7 +147,7 @@ class RoutedReplicas(BatchAPI):
                 self._flights[tag] = Flight(replica, key[1], r, i, start)
                 batches.setdefault(replica, []).append((tag, r))
                 tags.append(tag)
-        self._dispatch(batches)
+        self._dispatch(batches, stream)
         return tags
 
     def abort(self, tags) -> None:
