@@ -60,7 +60,7 @@ class FakeEngine:
         done = [req for req in self.queued.values() if req.left <= 0]
         for req in done:
             del self.queued[req.request_id]
-        return SimpleNamespace(finished=done)
+        return SimpleNamespace(finished=done, progressed=[])  # as Engine.step's StepOutput
 
     def output(self, req):
         return f"out {req.request_id}"
