@@ -143,10 +143,11 @@ def test_step_time_leaves_compiling_out(monkeypatch):
 
     from hetero_jax import Engine, SamplingParams
 
-    clock = [0.0]
+    clock, reads = [0.0], [0]
 
     def fake_perf_counter():
         clock[0] += 1e-6
+        reads[0] += 1
         return clock[0]
 
     engine = Engine.from_preset("tiny", seed=0, config=EngineConfig(max_model_len=128))
@@ -161,5 +162,5 @@ def test_step_time_leaves_compiling_out(monkeypatch):
     engine.generate(["a prompt"], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
     stats = engine.stats
     assert stats.compiles >= 1 and stats.compile_s >= 100.0 * stats.compiles
-    # three steps charged only their own clock readings (1 us each), none a build's 100 s
-    assert stats.step_time_s < 1.0, stats
+    # the steps were charged clock ticks only (at most one per reading), no build's jump
+    assert stats.step_time_s <= reads[0] * 1e-6 * (1 + 1e-6), (stats, reads)

@@ -171,7 +171,8 @@ def test_closed_loop_and_replicas():
     sched, burst = small_sim(arrival="burst")
     r1 = simulate(SimConfig(sched, burst, replicas=1), cost)
     r2 = simulate(SimConfig(sched, burst, replicas=2), cost)
-    assert r2.makespan_s < 0.7 * r1.makespan_s, "two replicas share a burst"
+    # makespans are simulated seconds (the cost model's step costs summed; no clock is read)
+    assert r2.makespan_s / r1.makespan_s < 0.7, "two replicas share a burst"
 
 
 def test_dedicated_split_routes_each_type_to_its_own_replicas():
