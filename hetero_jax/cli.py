@@ -31,7 +31,8 @@ import sys
 from hetero_jax.models.presets import PRESETS
 from hetero_jax.requests import STREAMING_KINDS
 from hetero_jax.sim.cli import sim_main
-from hetero_jax.sim.options import int_range, output_file, real_range, write_json
+from hetero_jax.sim.options import add_dtype_flag, add_step_flags, int_range, output_file, \
+    real_range, write_json
 
 
 # generate's integer flags: (lo, hi); the upper limits are the bench's
@@ -145,15 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=real_range(0, 1, open_lo=True), default=0.95,
                    help="nucleus sampling: keep the smallest set of tokens with this much "
                    "probability")
-    g.add_argument("--token-budget", type=ints["token_budget"], default=256,
-                   help="tokens per engine step")
-    g.add_argument("--chunk-size", type=ints["chunk_size"], default=64,
-                   help="prompt tokens per chunk")
-    g.add_argument("--max-num-seqs", type=ints["max_num_seqs"], default=32,
-                   help="sequences per engine step")
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
-                   help="weights and KV cache; auto: bfloat16 on GPUs, float32 on CPUs "
-                        "(default: %(default)s)")
+    add_step_flags(g, ints)
     g.add_argument("--seed", type=ints["seed"], default=0, help="weights (preset) and prompts")
     g.add_argument("--json", type=output_file, default=None, metavar="PATH",
                    help="write the summary here")
@@ -167,8 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="local Hugging Face directory (overrides --preset)")
     e.add_argument("--pooling", default=None, choices=STREAMING_KINDS,
                    help="pooler (None: the model's default)")
-    e.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
-                   help="weights and activations")
+    add_dtype_flag(e)
     e.add_argument("--json", type=output_file, default=None, metavar="PATH",
                    help="write the texts and vectors here")
     e.set_defaults(func=cmd_embed, seed=0, token_budget=256, chunk_size=64, max_num_seqs=32)

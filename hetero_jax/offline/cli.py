@@ -42,8 +42,8 @@ from hetero_jax.offline.replica_front import ReplicaFront
 from hetero_jax.offline.rows import InputError, Source, open_source, read_rows
 from hetero_jax.sched import POLICIES
 from hetero_jax.serving.device_groups import visible_gpus
-from hetero_jax.sim.options import DefaultsHelpFormatter, compile_cache_dir, int_range, \
-    output_file, output_problem
+from hetero_jax.sim.options import DefaultsHelpFormatter, add_step_flags, compile_cache_dir, \
+    int_range, output_file, output_problem
 
 LIMITS = dict(token_budget=(1, 8192), chunk_size=(1, 8192), max_num_seqs=(1, 1024),
               max_in_flight=(1, 1_000_000), seed=(0, 2**32 - 1), replicas=(1, 1024),
@@ -104,18 +104,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "N x --replicas may not exceed the devices jax sees")
     p.add_argument("--scheduler", default="ibs", choices=list(POLICIES),
                    help="scheduling policy of the engine")
-    p.add_argument("--token-budget", type=ints["token_budget"], default=256,
-                   help="tokens per engine step")
-    p.add_argument("--chunk-size", type=ints["chunk_size"], default=64,
-                   help="prompt tokens per chunk")
-    p.add_argument("--max-num-seqs", type=ints["max_num_seqs"], default=32,
-                   help="sequences per engine step")
     p.add_argument("--max-in-flight", type=ints["max_in_flight"], default=None,
                    help="requests handed to the engines at a time; a killed run redoes at most "
                    "these (default: 4 x --max-num-seqs x --replicas)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
-                   help="weights and KV cache; auto: bfloat16 on GPUs, float32 on CPUs "
-                        "(default: %(default)s)")
+    add_step_flags(p, ints)
     p.add_argument("--seed", type=ints["seed"], default=0,
                    help="weights (preset) and the sampling seed of prompt rows without one")
     p.add_argument("--compile-cache", type=compile_cache_dir, default="auto", metavar="DIR",

@@ -21,7 +21,7 @@ import time
 
 from hetero_jax.models.presets import PRESETS
 from hetero_jax.sched import BATCHING, POLICIES
-from hetero_jax.sim.options import DefaultsHelpFormatter, int_range
+from hetero_jax.sim.options import DefaultsHelpFormatter, add_step_flags, int_range
 
 LIMITS = dict(port=(0, 65535), replicas=(1, 1024), tensor_parallel=(1, 1024),
               token_budget=(1, 8192), chunk_size=(1, 8192), max_num_seqs=(1, 1024),
@@ -75,18 +75,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="which request type a step admits first")
     p.add_argument("--batching", default="fcfs", choices=list(BATCHING),
                    help="which generation requests join a step (feather: prefix-homogeneous)")
-    p.add_argument("--token-budget", type=ints["token_budget"], default=256,
-                   help="tokens per engine step")
-    p.add_argument("--chunk-size", type=ints["chunk_size"], default=64,
-                   help="prompt tokens per chunk")
-    p.add_argument("--max-num-seqs", type=ints["max_num_seqs"], default=32,
-                   help="sequences per engine step")
+    add_step_flags(p, ints)
     p.add_argument("--max-model-len", type=ints["max_model_len"], default=None,
                    help="longest prompt + generation (default: the model's, capped at 2048)")
     p.add_argument("--no-prefix-caching", action="store_true",
                    help="compute every prompt whole")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
-                   help="weights and activations")
     p.add_argument("--seed", type=ints["seed"], default=0, help="preset weights, sampling")
     p.add_argument("--no-warmup", action="store_true",
                    help="compile step variants on first use instead of at start")

@@ -145,3 +145,22 @@ def name_list(names, what: str):
                 f"subset of {','.join(names)}")
         return list(dict.fromkeys(parts))
     return parse
+
+
+def add_dtype_flag(p) -> None:
+    """--dtype as every engine command takes it (auto: bfloat16 on GPUs, float32 on CPUs)."""
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="weights and KV cache; auto: bfloat16 on GPUs, float32 on CPUs "
+                        "(default: %(default)s)")
+
+
+def add_step_flags(p, ints: dict) -> None:
+    """The engine step's shape flags every engine command shares (`ints`: the command's
+    int_range checks by name), and --dtype."""
+    p.add_argument("--token-budget", type=ints["token_budget"], default=256,
+                   help="tokens per engine step")
+    p.add_argument("--chunk-size", type=ints["chunk_size"], default=64,
+                   help="prompt tokens per chunk")
+    p.add_argument("--max-num-seqs", type=ints["max_num_seqs"], default=32,
+                   help="sequences per engine step")
+    add_dtype_flag(p)
