@@ -10,8 +10,10 @@ from hetero_jax import Engine, EngineConfig, SamplingParams
 from tests.hf_models import hf_logits
 from tests.model_runs import full_logits
 
+# One token and one page bucket (3 variants, not 12): compiling is most of these tests' time,
+# and `test_results_do_not_depend_on_batch_bucket_or_pages` compares other buckets with these.
 CFG = EngineConfig(token_budget=32, chunk_size=16, max_num_seqs=8, page_size=8,
-                   max_model_len=256, token_buckets=(8, 32), page_buckets=(8, 32))
+                   max_model_len=256, token_buckets=(32,), page_buckets=(32,))
 GREEDY = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True, logprobs=3)
 
 
@@ -47,7 +49,8 @@ def test_results_do_not_depend_on_batch_bucket_or_pages(hf_model):
     ps = prompts(300, [37, 5, 61, 12, 8])
     alone = Engine.from_pretrained(path, config=CFG).generate(ps[:1], GREEDY, use_tqdm=False)[0]
     other = EngineConfig(token_budget=64, chunk_size=8, max_num_seqs=4, page_size=4,
-                         max_model_len=256, num_pages=80)
+                         max_model_len=256, num_pages=80, token_buckets=(16, 64),
+                         page_buckets=(64,))  # two token buckets, neither CFG's
     engine = Engine.from_pretrained(path, config=other)
     engine.generate(ps[3:], GREEDY, use_tqdm=False)  # dirty the pages first
     crowd = engine.generate(ps, GREEDY, use_tqdm=False)[0]
@@ -71,7 +74,7 @@ def test_paged_decode_equals_full_forward():
 def test_zero_compiles_after_warmup():
     """warmup() builds every variant not already on disk; no step compiles after it (one may
     load a variant an earlier engine of this configuration left in the persistent cache)."""
-    few = dataclasses.replace(CFG, page_buckets=(32,))  # 4 variants: two token buckets
+    few = dataclasses.replace(CFG, token_buckets=(8, 32))  # 4 variants: two token buckets
     engine = Engine.from_preset("tiny", config=few)
     on_disk = engine.runner.manifest().keys()
     n = engine.warmup()
@@ -94,7 +97,7 @@ def test_preemption_recomputes_and_loses_nothing():
     ps = [[256] + list(range(60 + i, 90 + i)) for i in range(4)]
     alone = Engine.from_preset("tiny", config=CFG).generate(ps, GREEDY, use_tqdm=False)
     tight = EngineConfig(token_budget=32, chunk_size=16, max_num_seqs=8, page_size=8,
-                         max_model_len=64, num_pages=17)
+                         max_model_len=64, num_pages=17, token_buckets=(32,))
     engine = Engine.from_preset("tiny", config=tight)
     outs = engine.generate(ps, GREEDY, use_tqdm=False)
     assert engine.stats.preemptions > 0

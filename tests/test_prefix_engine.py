@@ -25,14 +25,16 @@ def suffix(n):
     return RNG.integers(3, 250, n).tolist()
 
 
+# One bucket of each kind (one token bucket, not 16 and 64: a variant fewer per engine; most
+# of these tests' time is compiling, and the cache's results do not depend on the bucket)
+CFG = dict(token_budget=64, chunk_size=16, page_size=8, max_num_seqs=8, max_model_len=128,
+           token_buckets=(64,), page_buckets=(16,), seq_buckets=(8,))
 PROMPTS = [PREFIX[:5] + suffix(6), PREFIX[:8] + suffix(3), PREFIX + suffix(9), PREFIX,
            PREFIX[:24], PREFIX[:17] + suffix(20)]
 
 
 def engine_pair(path=None, **kw):
-    cfg = dict(token_budget=64, chunk_size=16, page_size=8, max_num_seqs=8, max_model_len=128,
-               token_buckets=(16, 64), page_buckets=(16,), seq_buckets=(8,))
-    cfg.update(kw)
+    cfg = dict(CFG, **kw)
     make = (lambda c: Engine.from_pretrained(path, config=c)) if path else (
         lambda c: Engine.from_preset("tiny", config=c))
     return {on: make(EngineConfig(prefix_caching=on, **cfg)) for on in (True, False)}
@@ -111,9 +113,7 @@ def test_embeddings_from_the_cache_equal_the_uncached_ones(chunk_size):
 def test_adapter_tokens_never_hit_base_pages(hf_model, tmp_path):
     path, model = hf_model("llama3")
     write_adapter(tmp_path / "lora", model, 8, ["q_proj", "v_proj", "down_proj"])
-    cfg = dict(token_budget=64, chunk_size=16, page_size=8, max_num_seqs=8, max_model_len=128,
-               token_buckets=(16, 64), page_buckets=(16,), seq_buckets=(8,))
-    engines = {on: Engine.from_pretrained(path, config=EngineConfig(prefix_caching=on, **cfg),
+    engines = {on: Engine.from_pretrained(path, config=EngineConfig(prefix_caching=on, **CFG),
                                           embed_adapter={"lora": str(tmp_path / "lora")})
                for on in (True, False)}
     lora = [EmbedRequest(PREFIX + suffix(3), PoolingParams(h, normalize=False)) for h in HEADS]
@@ -127,10 +127,7 @@ def test_adapter_tokens_never_hit_base_pages(hf_model, tmp_path):
 
 
 def test_salts_isolate_and_reset_empties_the_cache_while_requests_run():
-    engine = Engine.from_preset("tiny", config=EngineConfig(
-        token_budget=64, chunk_size=16, page_size=8, max_num_seqs=8, max_model_len=128,
-        token_buckets=(16, 64),
-        page_buckets=(16,), seq_buckets=(8,)))
+    engine = Engine.from_preset("tiny", config=EngineConfig(**CFG))
     params = SamplingParams(max_tokens=4, temperature=0, cache_salt="tenant a")
     first = engine.run([GenerateRequest(PREFIX, params)], use_tqdm=False)[0]
     other = engine.run([GenerateRequest(PREFIX, SamplingParams(
