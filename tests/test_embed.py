@@ -10,10 +10,17 @@ from hetero_jax import (EmbedRequest, Engine, EngineConfig, GenerateRequest, Poo
 POOLINGS = ("mean", "weighted_mean", "cls", "last")
 
 
+# Several buckets: the warm-up of every variant and the chunk group's own page bucket
+SEVERAL = dict(token_buckets=(16, 64), page_buckets=(4, 16))
+
+
 def config(chunk, budget=64, **kw):
-    return EngineConfig(token_budget=max(budget, chunk), chunk_size=chunk, max_num_seqs=8,
-                        max_model_len=256, token_buckets=(16, max(budget, chunk)),
-                        page_buckets=(4, 16), **kw)
+    """One token and one page bucket unless `kw` says otherwise: compiling is most of these
+    tests' time, and what they check does not depend on the buckets."""
+    budget = max(budget, chunk)
+    return EngineConfig(**dict(dict(token_budget=budget, chunk_size=chunk, max_num_seqs=8,
+                                    max_model_len=256, token_buckets=(budget,),
+                                    page_buckets=(16,)), **kw))
 
 
 def inputs(n=6, seed=0):
@@ -61,7 +68,7 @@ def test_chunks_beside_long_decodes_attend_over_their_own_pages(monkeypatch):
         return key, batch
 
     monkeypatch.setattr(decoder, "pack_batch", recording)
-    engine = Engine.from_preset("tiny", config=config(32))
+    engine = Engine.from_preset("tiny", config=config(32, **SEVERAL))
     gen = [GenerateRequest([256] + list(range(7, 90)), SamplingParams(max_tokens=40,
                                                                       temperature=0))] * 4
     alone = [o.token_ids for o in engine.run(gen, use_tqdm=False)]
@@ -107,7 +114,7 @@ def test_poolers_equal_transformers_last_hidden_state(hf_model):
 
 @pytest.mark.slow  # ~30 s: every variant; tests/test_generate.py keeps the default-suite one
 def test_zero_compiles_after_warmup_with_embeddings():
-    engine = Engine.from_preset("tiny", config=config(16))
+    engine = Engine.from_preset("tiny", config=config(16, **SEVERAL))
     engine.warmup()
     compiled = engine.stats.compiles - engine.stats.compile_loads
     rng = np.random.default_rng(2)

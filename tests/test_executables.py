@@ -81,7 +81,7 @@ _START = """
 import json, sys
 from hetero_jax import Engine, EngineConfig, SamplingParams
 engine = Engine.from_preset("tiny", config=EngineConfig(
-    token_budget=32, chunk_size=16, max_num_seqs=8, max_model_len=64, token_buckets=(8, 32),
+    token_budget=32, chunk_size=16, max_num_seqs=8, max_model_len=64, token_buckets=(32,),
     page_buckets=(4,), cascade_rows=0))
 built = engine.warmup()
 out = engine.generate([[5, 6, 7] * 7, [9]], SamplingParams(max_tokens=5, temperature=0),
