@@ -7,12 +7,18 @@ weights of real next tokens only; repeated steps on one batch lower its loss.
 """
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 from hetero_jax.models import llama
 from hetero_jax.models.presets import PRESETS
 from hetero_jax.train import forward, lm
+
+# jitted as the trainer and the engine run them: one compile each, a third of the CPU time of
+# running them op by op (measured: 1.9 vs 5.5 s per model)
+dense_logits, paged_logits, lm_loss = (jax.jit(f, static_argnames="cfg") for f in (
+    lm.dense_logits, forward.lm_logits, lm.lm_loss))
 
 
 def test_dense_logits_equal_the_paged_forward():
@@ -21,7 +27,7 @@ def test_dense_logits_equal_the_paged_forward():
                                                      num_layers=2, tie_word_embeddings=True)):
         params = llama.init_params(cfg, 1)
         tokens = jnp.asarray(np.random.default_rng(0).integers(0, 256, (3, 48)), jnp.int32)
-        got, want = lm.dense_logits(params, cfg, tokens), forward.lm_logits(params, cfg, tokens)
+        got, want = dense_logits(params, cfg, tokens), paged_logits(params, cfg, tokens)
         np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
 
 
@@ -42,8 +48,8 @@ def test_steps_on_one_batch_lower_its_loss():
     state = lm.init_lm_state(llama.init_params(cfg, 0), lc)
     tokens = jnp.asarray(np.random.default_rng(1).integers(0, 256, (2, 32)), jnp.int32)
     mask = jnp.ones((2, 32), jnp.float32)
-    first = float(lm.lm_loss(state.params, cfg, tokens, mask))
+    first = float(lm_loss(state.params, cfg, tokens, mask))
     for _ in range(8):
         state, _ = lm.lm_step(state, tokens, mask, cfg=cfg, lc=lc)
     assert int(state.step) == 8
-    assert float(lm.lm_loss(state.params, cfg, tokens, mask)) < first - 0.1
+    assert float(lm_loss(state.params, cfg, tokens, mask)) < first - 0.1
