@@ -17,7 +17,9 @@ from tests.hf_models import save_byte_tokenizer
 from tests.model_runs import full_logits
 from tests.test_sampler import knobs
 
-SMALL = EngineConfig(token_budget=64, max_model_len=256, token_buckets=(16, 64))
+# one page bucket (16 pages of 16): the 200-step sequence crosses no bucket, a variant fewer
+SMALL = EngineConfig(token_budget=64, max_model_len=256, token_buckets=(16, 64),
+                     page_buckets=(16,))
 PENALTIES = dict(presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.3)
 
 
