@@ -78,6 +78,12 @@ class EngineConfig:
     # least `cascade_min_pages` page reads. cascade_rows=0 turns it off.
     cascade_rows: int = 8
     cascade_min_pages: int = 16
+    # What `Engine.warmup()` compiles: "all" (every variant of `variants()`), "lazy" (none: each
+    # step compiles its variant when a run first meets it, announced "compiling step variant
+    # k/N"), or "auto": lazy on a CPU, all elsewhere. XLA:CPU spends 3-9 CPU-s on each of the
+    # small preset's 106 variants (6-16 minutes of warm-up on 2 cores), of which a run meets a
+    # few dozen (the main job 7, the bench's mixed workload ~30: docs/results.md).
+    warmup: str = "auto"
     # JAX's persistent compilation cache (process-wide; the first directory set holds):
     # "auto" keeps the one already set, else $XDG_CACHE_HOME/hetero-jax/xla (~/.cache/...);
     # a directory; or None to leave jax as it is. A second process of the same configuration
@@ -117,6 +123,7 @@ class EngineConfig:
                 object.__setattr__(self, name, tuple(require_int(f"{name}[{i}]", b, lo, INT32_MAX)
                                                      for i, b in enumerate(buckets)))
         for name, choices in (("dtype", _DTYPES), ("layer_loop", ("auto", "scan", "unrolled")),
+                              ("warmup", ("auto", "all", "lazy")),
                               ("attention_impl", ("auto", "xla", "pallas"))):
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be one of {choices}")
@@ -157,6 +164,19 @@ class EngineConfig:
         if self.attention_impl != "auto":
             return self.attention_impl
         return "pallas" if backend in ("gpu", "cuda", "rocm") else "xla"
+
+    def warmup_on(self, backend: str) -> str:
+        """What warm-up compiles on a jax `backend`: `warmup` unless "auto" (lazy on a CPU,
+        whose compiles are slow and whose bucket lists are long; all elsewhere)."""
+        if self.warmup != "auto":
+            return self.warmup
+        return "lazy" if backend == "cpu" else "all"
+
+    def warmup_variants(self) -> list:
+        """The variants `Engine.warmup()` builds with a resolved `warmup` ("all": every one of
+        `variants()`; "lazy": none, the steps build what they meet)."""
+        assert self.warmup != "auto", "warmup_variants() of an unresolved config: warmup_on()"
+        return self.variants() if self.warmup == "all" else []
 
     def resolve(self, model_max_len: int, kv_bytes_per_token: int) -> "EngineConfig":
         """Fill every None from the model: max_model_len, num_pages and the bucket lists. With

@@ -172,11 +172,12 @@ class Engine(BatchAPI):
 
     # -- serving -----------------------------------------------------------------------------
     def warmup(self) -> int:
-        """Make every step variant (and every encoder bucket) ready: compiled in this process,
-        or, with the persistent compilation cache on, already on disk from an earlier process of
-        the same configuration (then the first step of that variant loads it, ~0.5 s for the
-        small preset, and compiles nothing). Returns how many variants this call built."""
-        built = self.runner.warmup(self.config.variants())
+        """Make the step variants `config.warmup` names (every one, or none where it is lazy:
+        the default on a CPU) and every encoder bucket ready: compiled in this process, or, with
+        the persistent compilation cache on, already on disk from an earlier process of the same
+        configuration (then the first step of that variant loads it, ~0.5 s for the small
+        preset, and compiles nothing). Returns how many variants this call built."""
+        built = self.runner.warmup(self.config.warmup_variants())
         if self.encoder:
             built += self.encoder.runner.warmup()
         self.count_compiles()
@@ -389,7 +390,8 @@ def _resolved(model_cfg: ModelConfig, config: EngineConfig) -> EngineConfig:
     (`runner.memory.check_memory`: a ValueError naming the knob and the bytes)."""
     backend = jax.default_backend()
     config = dataclasses.replace(config, dtype=config.dtype_on(backend),
-                                 attention_impl=config.impl_on(backend))
+                                 attention_impl=config.impl_on(backend),
+                                 warmup=config.warmup_on(backend))
     itemsize = jnp.dtype(config.dtype).itemsize
     kv_bytes = 2 * model_cfg.num_layers * model_cfg.num_kv_heads * model_cfg.head_dim * itemsize
     # Sliding-window attention is not implemented: within the window it equals full attention.
