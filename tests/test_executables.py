@@ -190,3 +190,14 @@ def test_step_time_leaves_compiling_out(monkeypatch):
     assert stats.compiles >= 1 and stats.compile_s >= 100.0 * stats.compiles
     # the steps were charged clock ticks only (at most one per reading), no build's jump
     assert stats.step_time_s <= reads[0] * 1e-6 * (1 + 1e-6), (stats, reads)
+
+def test_compile_options_bench_times_both_option_sets():
+    """scripts/bench_compile_options.py compiles a variant under the engine's CPU options and
+    XLA's defaults and times both, interleaved, on the variant's shapes."""
+    from tests.script_loader import load_script
+
+    rows = load_script("bench_compile_options").main(["--preset", "tiny", "--rounds", "2",
+                                                      "--keys", "[[16, 8, 0, 8, 0]]"])
+    assert [r["key"] for r in rows] == [[16, 8, 0, 8, 0]]
+    for name in ("engine", "xla-default"):
+        assert rows[0][name]["compile_cpu_s"] > 0 and rows[0][name]["step_ms"] > 0

@@ -385,13 +385,16 @@ def _as_dtype(x, dtype, keep_placement: bool):
 
 
 def _resolved(model_cfg: ModelConfig, config: EngineConfig) -> EngineConfig:
-    """The config on this process's backend (dtype and attention impl "auto" made concrete),
-    with every None filled from the model and its sizes checked against the memory they imply
-    (`runner.memory.check_memory`: a ValueError naming the knob and the bytes)."""
+    """The config on this process's backend (dtype, attention impl, warm-up and cost model
+    "auto" made concrete, the cost model a model object or None), with every None filled from
+    the model and its sizes checked against the memory they imply (`runner.memory.
+    check_memory`: a ValueError naming the knob and the bytes)."""
     backend = jax.default_backend()
     config = dataclasses.replace(config, dtype=config.dtype_on(backend),
                                  attention_impl=config.impl_on(backend),
                                  warmup=config.warmup_on(backend))
+    config = dataclasses.replace(config, cost_model=config.step_model(
+        model_cfg, backend, jax.devices()[0].device_kind))  # "auto": the one the engine knows
     itemsize = jnp.dtype(config.dtype).itemsize
     kv_bytes = 2 * model_cfg.num_layers * model_cfg.num_kv_heads * model_cfg.head_dim * itemsize
     # Sliding-window attention is not implemented: within the window it equals full attention.
