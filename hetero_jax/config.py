@@ -164,8 +164,11 @@ class EngineConfig:
             object.__setattr__(self, "chunk_size", max(min(64, budget), budget // 4))
 
     def _check_sizes(self) -> None:
-        relation = self.token_budget is not None and size_relation(
-            self.token_budget, self.chunk_size, self.max_num_seqs, self.max_chunk_seqs)
+        """The sizes' relations; with the budget still None (resolve() fills it, at least the
+        chunk), those not about the budget."""
+        chunk = self.chunk_size or 1
+        relation = size_relation(chunk if self.token_budget is None else self.token_budget,
+                                 chunk, self.max_num_seqs, self.max_chunk_seqs)
         if relation:
             raise ValueError(relation[1])
 

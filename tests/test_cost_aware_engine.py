@@ -49,6 +49,9 @@ def test_cost_model_settings_are_checked():
     fcfs = EngineConfig(scheduler="fcfs", cost_model=AlwaysSplit()).resolve(128, 64)
     assert (fcfs.token_budget, fcfs.chunk_size) == (512, 128)  # its budget: the cap, 512
     assert fcfs.scheduler_config().step_cost is None
+    assert EngineConfig(chunk_size=300, cost_model=None).resolve(2048, 64).token_budget == 300
+    with pytest.raises(ValueError, match="max_chunk_seqs=3 exceeds max_num_seqs=2"):
+        EngineConfig(max_num_seqs=2, max_chunk_seqs=3)  # checked before the budget is known
     with pytest.raises(ValueError, match="must be 'auto', None, a cost model JSON path"):
         EngineConfig(scheduler="ibs", cost_model=3)
     with pytest.raises(ValueError, match="unknown hardware 'tpu'"):
