@@ -89,8 +89,8 @@ class EngineConfig:
     # What `Engine.warmup()` compiles: "all" (every variant of `variants()`), "lazy" (none: each
     # step compiles its variant when a run first meets it, announced "compiling step variant
     # k/N"), or "auto": lazy on a CPU, all elsewhere. XLA:CPU spends 3-9 CPU-s on each of the
-    # small preset's 106 variants (6-16 minutes of warm-up on 2 cores), of which a run meets a
-    # few dozen (the main job 7, the bench's mixed workload ~30: docs/results.md).
+    # small preset's 106 variants (5-16 minutes of warm-up on 2 cores), of which a run meets a
+    # few (the main job 7, the bench's three mixed ratios 9 of its 60: docs/results.md).
     warmup: str = "auto"
     # JAX's persistent compilation cache (process-wide; the first directory set holds):
     # "auto" keeps the one already set, else $XDG_CACHE_HOME/hetero-jax/xla (~/.cache/...);
