@@ -107,9 +107,10 @@ class ExecutableCache:
             self.dropped += 1
 
 
-# XLA:CPU's LLVM at optimisation level 1 instead of its default: 20-26% fewer CPU seconds per
-# small-preset variant, with steps as fast within the host's noise (docs/results.md); level 0
-# compiles faster still but makes the steps 1.5-2.4x slower. No fast-math: the same results.
+# XLA:CPU's LLVM at optimisation level 1 instead of its default: 25% fewer compile CPU seconds
+# over seven small-preset variants (9-33% each), with the steps' CPU time within 0.96-1.02x
+# (scripts/bench_compile_options.py, docs/results.md); level 0 compiles faster still but makes
+# the steps 1.5-2.4x slower. No fast-math either way: the same results.
 CPU_COMPILE_OPTIONS = {"xla_backend_optimization_level": 1}
 
 

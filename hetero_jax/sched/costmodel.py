@@ -20,6 +20,9 @@ model as its `context_tokens` feature).
 
 `StepCost` wraps either as the plain `SchedulerOutput -> seconds` callable that the
 scheduler's cost-aware IBS takes (`SchedulerConfig.step_cost`, `EngineConfig.cost_model`).
+`known_cost_model` is the one the engine knows for its model and device (a GPU's roofline, the
+shipped CPU fit), and `engine_budget` the token budget it derives from it (`ridge_budget`,
+capped), as the simulator derives its own.
 """
 from __future__ import annotations
 
