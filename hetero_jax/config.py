@@ -3,8 +3,10 @@
 Every jitted step sees shapes from the bucket lists here: total tokens T, sequences S,
 multi-token sequences Sc, and pages per sequence, padded by the one step-shape rule
 (`sched/shapes.py`). `variants()` enumerates every reachable combination, so
-`Engine.warmup()` can compile every one up front. `scheduler_config()` is the host
-scheduler's share of a resolved config, built in one place.
+`Engine.warmup()` can compile every one up front (`warmup="all"`; on a CPU it is lazy by
+default: each step compiles the variant it meets). The token budget, unless given, comes from
+the step-cost model the engine knows (`cost_model`, `step_model`; `resolve()` sizes it).
+`scheduler_config()` is the host scheduler's share of a resolved config, built in one place.
 """
 from __future__ import annotations
 
@@ -13,7 +15,8 @@ from collections.abc import Callable
 
 from hetero_jax.requests import INT32_MAX, require_bool, require_int, require_real
 from hetero_jax.sched.batching import FeatherConfig, check_batching
-from hetero_jax.sched.costmodel import engine_step_cost
+from hetero_jax.sched.costmodel import StepCost, engine_budget, engine_cost_model, \
+    known_cost_model
 from hetero_jax.sched.scheduler import SchedulerConfig
 from hetero_jax.sched.shapes import Buckets, default_seq_buckets, powers_of_two
 from hetero_jax.sched.tiles import CascadeSettings
@@ -36,8 +39,10 @@ def size_relation(token_budget: int, chunk_size: int, max_num_seqs: int,
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
-    token_budget: int = 256
-    chunk_size: int | None = None  # None: min(64, token_budget)
+    # None: from the step-cost model the engine knows (`cost_model`; `sched.costmodel.
+    # engine_budget`: the model's ridge budget, at most 512), else 256
+    token_budget: int | None = None
+    chunk_size: int | None = None  # None: min(64, token_budget), or a quarter of a larger one
     max_num_seqs: int = 32
     max_chunk_seqs: int | None = None  # None: min(4, max_num_seqs)
     page_size: int = 16
@@ -54,10 +59,13 @@ class EngineConfig:
     # from `scheduler` (embedding vs generation tokens): fcfs | lpm | feather | feather-bandit.
     batching: str = "fcfs"
     feather: FeatherConfig = FeatherConfig()  # chunk_pages, loss limit, cap, aging, bandit arms
-    # scheduler="ibs" only: a step-cost model (a cost model JSON path as scripts/calibrate.py
-    # writes, "roofline:<a100-40gb|h200>" of this model, or an object with step_time(StepShape))
-    # turns on the cost-aware IBS: a mixed step runs as two when the model says two cost less.
-    cost_model: object = None
+    # A step-cost model: a cost model JSON path as scripts/calibrate.py writes,
+    # "roofline:<a100-40gb|h200>" of this model, an object with step_time(StepShape), "auto"
+    # (the one the engine knows: `sched.costmodel.known_cost_model`, the roofline of this model
+    # on an A100-40GB or H200, the shipped fit of the small preset on a CPU) or None. It sizes
+    # the default token budget and, with scheduler="ibs", turns on the cost-aware IBS: a mixed
+    # step runs as two when the model says two cost less.
+    cost_model: object = "auto"
     attention_impl: str = "auto"  # auto | xla | pallas
     layer_loop: str = "auto"  # auto (unrolled: scan copies each layer's weights) | scan | unrolled
     # Devices the decoder is split over (Megatron layout on a one-axis mesh, runner/sharding.py;
@@ -78,6 +86,12 @@ class EngineConfig:
     # least `cascade_min_pages` page reads. cascade_rows=0 turns it off.
     cascade_rows: int = 8
     cascade_min_pages: int = 16
+    # What `Engine.warmup()` compiles: "all" (every variant of `variants()`), "lazy" (none: each
+    # step compiles its variant when a run first meets it, announced "compiling step variant
+    # k/N"), or "auto": lazy on a CPU, all elsewhere. XLA:CPU spends 3-9 CPU-s on each of the
+    # small preset's 106 variants (5-16 minutes of warm-up on 2 cores), of which a run meets a
+    # few (the main job 7, the bench's three mixed ratios 9 of its 60: docs/results.md).
+    warmup: str = "auto"
     # JAX's persistent compilation cache (process-wide; the first directory set holds):
     # "auto" keeps the one already set, else $XDG_CACHE_HOME/hetero-jax/xla (~/.cache/...);
     # a directory; or None to leave jax as it is. A second process of the same configuration
@@ -89,16 +103,17 @@ class EngineConfig:
     buffered_head: Callable | None = None
 
     def __post_init__(self):
-        for name, default, cap in (("chunk_size", 64, "token_budget"),
-                                   ("max_chunk_seqs", 4, "max_num_seqs")):
-            if getattr(self, name) is None:  # a default never conflicts with a knob set
-                cap_value = require_int(cap, getattr(self, cap), 1, INT32_MAX)
-                object.__setattr__(self, name, min(default, cap_value))
-        for name, lo in (("token_budget", 1), ("chunk_size", 1), ("max_num_seqs", 1),
-                         ("max_chunk_seqs", 1), ("page_size", 1), ("max_logprobs", 0),
-                         ("cascade_rows", 0), ("cascade_min_pages", 1), ("tensor_parallel", 1)):
+        if self.max_chunk_seqs is None:  # a default never conflicts with a knob set
+            object.__setattr__(self, "max_chunk_seqs", min(4, require_int(
+                "max_num_seqs", self.max_num_seqs, 1, INT32_MAX)))
+        if self.token_budget is not None:
+            self._fill_chunk_size()
+        for name, lo in (("max_num_seqs", 1), ("max_chunk_seqs", 1), ("page_size", 1),
+                         ("max_logprobs", 0), ("cascade_rows", 0), ("cascade_min_pages", 1),
+                         ("tensor_parallel", 1)):
             object.__setattr__(self, name, require_int(name, getattr(self, name), lo, INT32_MAX))
-        for name, lo in (("num_pages", 2), ("max_model_len", 1)):
+        for name, lo in (("token_budget", 1), ("chunk_size", 1), ("num_pages", 2),
+                         ("max_model_len", 1)):
             if getattr(self, name) is not None:
                 object.__setattr__(self, name, require_int(name, getattr(self, name), lo,
                                                            INT32_MAX))
@@ -117,6 +132,7 @@ class EngineConfig:
                 object.__setattr__(self, name, tuple(require_int(f"{name}[{i}]", b, lo, INT32_MAX)
                                                      for i, b in enumerate(buckets)))
         for name, choices in (("dtype", _DTYPES), ("layer_loop", ("auto", "scan", "unrolled")),
+                              ("warmup", ("auto", "all", "lazy")),
                               ("attention_impl", ("auto", "xla", "pallas"))):
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be one of {choices}")
@@ -128,10 +144,7 @@ class EngineConfig:
         if not isinstance(self.scheduler, str):
             raise ValueError(f"scheduler={self.scheduler!r} must be a policy name (a string)")
         check_batching(self.batching)
-        relation = size_relation(self.token_budget, self.chunk_size, self.max_num_seqs,
-                                 self.max_chunk_seqs)
-        if relation:
-            raise ValueError(relation[1])
+        self._check_sizes()
         if not isinstance(self.feather, FeatherConfig):
             raise ValueError(f"feather={self.feather!r} must be a sched.FeatherConfig")
         if self.buffered_head is not None and not callable(self.buffered_head):
@@ -139,11 +152,35 @@ class EngineConfig:
         if self.cost_model is not None and not (
                 (isinstance(self.cost_model, str) and self.cost_model)
                 or callable(getattr(self.cost_model, "step_time", None))):
-            raise ValueError(f"cost_model={self.cost_model!r} must be None, a cost model JSON "
-                             "path, 'roofline:<hardware>' or an object with step_time(StepShape)")
-        if self.cost_model is not None and self.scheduler != "ibs":
-            raise ValueError(f"cost_model is for scheduler='ibs' (the cost-aware IBS), not "
-                             f"{self.scheduler!r}")
+            raise ValueError(f"cost_model={self.cost_model!r} must be 'auto', None, a cost model "
+                             "JSON path, 'roofline:<hardware>' or an object with "
+                             "step_time(StepShape)")
+
+    def _fill_chunk_size(self) -> None:
+        """chunk_size, when None, from the budget: 64 (at most the budget), or a quarter of a
+        budget above 256 (the simulator's rule)."""
+        if self.chunk_size is None:
+            budget = require_int("token_budget", self.token_budget, 1, INT32_MAX)
+            object.__setattr__(self, "chunk_size", max(min(64, budget), budget // 4))
+
+    def _check_sizes(self) -> None:
+        """The sizes' relations; with the budget still None (resolve() fills it, at least the
+        chunk), those not about the budget."""
+        chunk = self.chunk_size or 1
+        relation = size_relation(chunk if self.token_budget is None else self.token_budget,
+                                 chunk, self.max_num_seqs, self.max_chunk_seqs)
+        if relation:
+            raise ValueError(relation[1])
+
+    def step_model(self, model_cfg, backend: str, device_kind: str):
+        """The step-cost model of `cost_model` for `model_cfg` on a device (jax `backend`,
+        `device_kind`; `dtype` concrete), as an object with step_time(StepShape), or None."""
+        assert self.dtype in _ITEMSIZE, f"{self.dtype=}: the cost model needs it concrete"
+        if self.cost_model == "auto":
+            return known_cost_model(model_cfg, backend, device_kind, _ITEMSIZE[self.dtype])
+        if self.cost_model is None:
+            return None
+        return engine_cost_model(self.cost_model, model_cfg, _ITEMSIZE[self.dtype])
 
     def dtype_on(self, backend: str) -> str:
         """The concrete dtype on a jax `backend` ("cpu", "gpu", "tpu"): `dtype` unless "auto"."""
@@ -158,11 +195,31 @@ class EngineConfig:
             return self.attention_impl
         return "pallas" if backend in ("gpu", "cuda", "rocm") else "xla"
 
+    def warmup_on(self, backend: str) -> str:
+        """What warm-up compiles on a jax `backend`: `warmup` unless "auto" (lazy on a CPU,
+        whose compiles are slow and whose bucket lists are long; all elsewhere)."""
+        if self.warmup != "auto":
+            return self.warmup
+        return "lazy" if backend == "cpu" else "all"
+
+    def warmup_variants(self) -> list:
+        """The variants `Engine.warmup()` builds with a resolved `warmup` ("all": every one of
+        `variants()`; "lazy": none, the steps build what they meet)."""
+        assert self.warmup != "auto", "warmup_variants() of an unresolved config: warmup_on()"
+        return self.variants() if self.warmup == "all" else []
+
     def resolve(self, model_max_len: int, kv_bytes_per_token: int) -> "EngineConfig":
-        """Fill every None from the model: max_model_len, num_pages and the bucket lists. With
+        """Fill every None from the model: token_budget (`engine_budget` of `cost_model` where
+        the engine made it a model, `step_model`; at least chunk_size), max_model_len,
+        num_pages and the bucket lists. With
         attention_impl="pallas" the default page buckets are one (pages_per_seq): the kernel
         loops over each sequence's pages, so a page table's width costs it nothing and a
         bucket per width would only multiply the variants (20 instead of 106 by default)."""
+        if self.token_budget is None:
+            known = self.cost_model if hasattr(self.cost_model, "step_time") else None
+            budget = max(engine_budget(known), self.chunk_size or 1)
+            return dataclasses.replace(self, token_budget=budget).resolve(model_max_len,
+                                                                          kv_bytes_per_token)
         max_len = min(model_max_len, 2048) if self.max_model_len is None else self.max_model_len
         if max_len > model_max_len:
             raise ValueError(f"max_model_len={max_len} exceeds the model's {model_max_len}")
@@ -215,15 +272,15 @@ class EngineConfig:
 
     def scheduler_config(self, model_cfg=None, encoder_max_seqs: int = 0) -> SchedulerConfig:
         """The host scheduler's settings of a resolved config: its sizes, policies, cascade
-        planning and, with `cost_model`, the step cost of `model_cfg` (a `ModelConfig`, for
-        "roofline:<hardware>"; then `dtype` must be concrete, `dtype_on`). `encoder_max_seqs`
-        > 0: a separate encoder's rows per step."""
+        planning and, with scheduler="ibs" and a `cost_model` ("auto" counts as none here: the
+        engine makes it concrete, `step_model`), the step cost of `model_cfg` (a `ModelConfig`,
+        for "roofline:<hardware>"; then `dtype` must be concrete, `dtype_on`).
+        `encoder_max_seqs` > 0: a separate encoder's rows per step."""
         assert self.num_pages is not None, "scheduler_config() of an unresolved config"
         cascade, step_cost = self.cascade_settings(), None
-        if self.cost_model is not None:
-            assert self.dtype in _ITEMSIZE, f"{self.dtype=}: the cost model needs it concrete"
-            step_cost = engine_step_cost(self.cost_model, model_cfg, _ITEMSIZE[self.dtype],
-                                         self.page_size, cascade)
+        if self.cost_model not in (None, "auto") and self.scheduler == "ibs":
+            model = self.step_model(model_cfg, "", "")
+            step_cost = StepCost(model, self.page_size, cascade)
         return SchedulerConfig(
             token_budget=self.token_budget, chunk_size=self.chunk_size,
             max_num_seqs=self.max_num_seqs, max_chunk_seqs=self.max_chunk_seqs,

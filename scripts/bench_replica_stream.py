@@ -18,7 +18,8 @@ from hetero_jax import EngineConfig, GenerateRequest, SamplingParams, make_engin
 from hetero_jax.serving.async_replicas import AsyncReplicas
 
 CONFIG = dict(token_budget=64, chunk_size=32, max_num_seqs=8, max_model_len=256,
-              token_buckets=(64,), chunk_seq_buckets=(4,), page_buckets=(16,), cascade_rows=0)
+              token_buckets=(64,), chunk_seq_buckets=(4,), page_buckets=(16,), cascade_rows=0,
+              warmup="all")
 
 
 async def one_stream(front, i: int, params) -> tuple:

@@ -20,7 +20,7 @@ import time
 from hetero_jax import AsyncEngine, Engine, EngineConfig, PoolingParams, SamplingParams
 
 CONFIG = EngineConfig(token_budget=64, chunk_size=16, max_num_seqs=16, max_chunk_seqs=2,
-                      max_model_len=128, token_buckets=(16, 64), page_buckets=(8,))
+                      max_model_len=128, token_buckets=(16, 64), page_buckets=(8,), warmup="all")
 
 
 def rss_mb() -> float:

@@ -104,7 +104,8 @@ def test_an_engine_announces_every_variant_it_compiles(capsys):
     from hetero_jax import Engine, EngineConfig, SamplingParams
 
     config = EngineConfig(token_budget=64, chunk_size=16, max_num_seqs=8, max_chunk_seqs=1,
-                          max_model_len=256, token_buckets=(64,), page_buckets=(16,))
+                          max_model_len=256, token_buckets=(64,), page_buckets=(16,),
+                          warmup="all")
     engine = Engine.from_preset("tiny", config=config)
     capsys.readouterr()
     engine.generate(["a prompt"], SamplingParams(max_tokens=4), use_tqdm=False)

@@ -114,7 +114,7 @@ def test_poolers_equal_transformers_last_hidden_state(hf_model):
 
 @pytest.mark.slow  # ~30 s: every variant; tests/test_generate.py keeps the default-suite one
 def test_zero_compiles_after_warmup_with_embeddings():
-    engine = Engine.from_preset("tiny", config=config(16, **SEVERAL))
+    engine = Engine.from_preset("tiny", config=config(16, warmup="all", **SEVERAL))
     engine.warmup()
     compiled = engine.stats.compiles - engine.stats.compile_loads
     rng = np.random.default_rng(2)

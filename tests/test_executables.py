@@ -9,9 +9,10 @@ import warnings
 
 import pytest
 
-from hetero_jax import EngineConfig
+from hetero_jax import Engine, EngineConfig, SamplingParams
 from hetero_jax.runner.batch import is_cascade, variant_of
-from hetero_jax.runner.executables import ExecutableCache, enable_compile_cache
+from hetero_jax.runner.executables import CPU_COMPILE_OPTIONS, ExecutableCache, WarmManifest, \
+    compile_options, enable_compile_cache
 from hetero_jax.sched import DECODE, PREFILL, ScheduledItem
 
 
@@ -51,6 +52,31 @@ def test_default_variants_stay_few():
     assert (len(variants), own_chunk_pages, cascade) == (106, 28, 27)
 
 
+def test_warmup_is_lazy_on_a_cpu_by_default():
+    """On a CPU `warmup()` builds nothing unless told (XLA:CPU spends seconds on each variant
+    and a run meets a few); each step builds the variant it meets, one of `variants()`."""
+    assert (EngineConfig().warmup_on("cpu"), EngineConfig().warmup_on("gpu")) == ("lazy", "all")
+    assert EngineConfig(warmup="all").warmup_on("cpu") == "all"
+    with pytest.raises(ValueError, match="warmup='eager' must be one of"):
+        EngineConfig(warmup="eager")
+    engine = Engine.from_preset("tiny", config=EngineConfig(
+        token_budget=32, chunk_size=16, max_num_seqs=8, max_model_len=64, token_buckets=(8, 32),
+        page_buckets=(4,), cascade_rows=0))
+    assert engine.config.warmup == "lazy" and engine.warmup() == 0 == engine.stats.compiles
+    engine.generate([[5, 6, 7]], SamplingParams(max_tokens=3), use_tqdm=False)
+    held = {key for key, _ in engine.runner.executable.held()}
+    assert 1 <= engine.stats.compiles == len(held) and held <= set(engine.config.variants())
+
+
+def test_cpu_compile_options_are_part_of_the_warm_manifest(monkeypatch):
+    """The CPU's XLA options (LLVM at level 1) key the record of what is on disk: a manifest
+    written under other options cannot claim a variant compiled with these."""
+    assert compile_options("cpu") == CPU_COMPILE_OPTIONS and compile_options("gpu") == {}
+    before = WarmManifest.fingerprint("config")
+    monkeypatch.setitem(CPU_COMPILE_OPTIONS, "xla_backend_optimization_level", 2)
+    assert WarmManifest.fingerprint("config") != before
+
+
 def test_cache_drops_least_recently_used_under_the_mapping_bound():
     built = []
     cache = ExecutableCache(lambda key: built.append(key) or f"exe{key}", max_maps=1)
@@ -82,7 +108,7 @@ import json, sys
 from hetero_jax import Engine, EngineConfig, SamplingParams
 engine = Engine.from_preset("tiny", config=EngineConfig(
     token_budget=32, chunk_size=16, max_num_seqs=8, max_model_len=64, token_buckets=(32,),
-    page_buckets=(4,), cascade_rows=0))
+    page_buckets=(4,), cascade_rows=0, warmup="all"))
 built = engine.warmup()
 out = engine.generate([[5, 6, 7] * 7, [9]], SamplingParams(max_tokens=5, temperature=0),
                       use_tqdm=False)
@@ -120,9 +146,9 @@ def test_small_preset_default_warmup_finishes_in_bounded_mappings(tmp_path):
     env["XDG_CACHE_HOME"] = str(tmp_path)
     script = """
 import json
-from hetero_jax import Engine
+from hetero_jax import Engine, EngineConfig
 from hetero_jax.runner.executables import default_max_maps, process_maps
-engine = Engine.from_preset("small")
+engine = Engine.from_preset("small", config=EngineConfig(warmup="all"))
 built = engine.warmup()
 print(json.dumps(dict(built=built, variants=len(engine.config.variants()), maps=process_maps(),
                       limit=2 * default_max_maps())))
@@ -164,3 +190,14 @@ def test_step_time_leaves_compiling_out(monkeypatch):
     assert stats.compiles >= 1 and stats.compile_s >= 100.0 * stats.compiles
     # the steps were charged clock ticks only (at most one per reading), no build's jump
     assert stats.step_time_s <= reads[0] * 1e-6 * (1 + 1e-6), (stats, reads)
+
+def test_compile_options_bench_times_both_option_sets():
+    """scripts/bench_compile_options.py compiles a variant under the engine's CPU options and
+    XLA's defaults and times both, interleaved, on the variant's shapes."""
+    from tests.script_loader import load_script
+
+    rows = load_script("bench_compile_options").main(["--preset", "tiny", "--rounds", "2",
+                                                      "--keys", "[[16, 8, 0, 8, 0]]"])
+    assert [r["key"] for r in rows] == [[16, 8, 0, 8, 0]]
+    for name in ("engine", "xla-default"):
+        assert rows[0][name]["compile_cpu_s"] > 0 and rows[0][name]["step_ms"] > 0

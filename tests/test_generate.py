@@ -74,7 +74,7 @@ def test_paged_decode_equals_full_forward():
 def test_zero_compiles_after_warmup():
     """warmup() builds every variant not already on disk; no step compiles after it (one may
     load a variant an earlier engine of this configuration left in the persistent cache)."""
-    few = dataclasses.replace(CFG, token_buckets=(8, 32))  # 4 variants: two token buckets
+    few = dataclasses.replace(CFG, token_buckets=(8, 32), warmup="all")  # 4 variants: two token buckets
     engine = Engine.from_preset("tiny", config=few)
     on_disk = engine.runner.manifest().keys()
     n = engine.warmup()

@@ -25,7 +25,7 @@ from hetero_jax.serving import engine as engine_module
 
 CONFIG = EngineConfig(token_budget=64, chunk_size=32, max_num_seqs=8, max_model_len=256,
                       token_buckets=(64,), chunk_seq_buckets=(4,), page_buckets=(16,),
-                      cascade_rows=0)
+                      cascade_rows=0, warmup="all")
 
 
 def requests():

@@ -35,7 +35,8 @@ from hetero_jax.ops.pallas_attention import default_block_q, plan_work
 from hetero_jax.runner import pooler
 from hetero_jax.runner.batch import StepBatch, batch_spec, is_cascade, pack_batch
 from hetero_jax.runner.compile_progress import CompileNotice
-from hetero_jax.runner.executables import ExecutableCache, WarmManifest, enable_compile_cache
+from hetero_jax.runner.executables import ExecutableCache, WarmManifest, compile_options, \
+    enable_compile_cache
 from hetero_jax.runner.packed import PackedLayout
 from hetero_jax.runner.sampler import sample
 from hetero_jax.sched import EMBED, RunnerOutput, SchedulerOutput
@@ -167,7 +168,8 @@ class DecoderRunner:
             return None
         shapes = jax.tree.map(lambda x: (x.shape, str(x.dtype)), self.params)
         return WarmManifest(self.compile_cache, WarmManifest.fingerprint(
-            type(self).__name__, self.model_cfg, self.cfg, shapes, self.impl, self.interpret,
+            type(self).__name__, self.model_cfg, dataclasses.replace(self.cfg, warmup="all"),
+            shapes, self.impl, self.interpret,
             repr(getattr(self, "mesh", None))))
 
     def warmup(self, keys: list) -> int:
@@ -176,7 +178,8 @@ class DecoderRunner:
         manifest = self.manifest()
         on_disk = manifest.keys() if manifest else set()
         todo = [key for key in keys if key not in self.executable and key not in on_disk]
-        self.notice.expect(len(todo))  # "compiling step variant k/len(todo)"
+        if todo:  # "compiling step variant k/len(todo)"; else the steps' k/N stays
+            self.notice.expect(len(todo))
         for key in todo:
             self.executable(key)
         return len(todo)
@@ -210,7 +213,8 @@ class DecoderRunner:
 
     def _compile(self, key: tuple):
         fn = jax.jit(self.step_fn(key), donate_argnums=(1,))
-        return fn.lower(self.params, self.state, batch_spec(self.cfg, *key)).compile()
+        return fn.lower(self.params, self.state, batch_spec(self.cfg, *key)).compile(
+            compiler_options=compile_options(jax.default_backend()) or None)
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         """Run the decoder's share of one step: `out.items` (sorted by kind, at least one)

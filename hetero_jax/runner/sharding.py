@@ -48,6 +48,7 @@ from hetero_jax.models import llama
 from hetero_jax.models.config import ModelConfig
 from hetero_jax.runner.batch import batch_spec
 from hetero_jax.runner.decoder import DecoderRunner, DeviceState
+from hetero_jax.runner.executables import compile_options
 
 # The Pallas kernel's outputs carry no varying-axes type, so shard_map's check must be off.
 try:  # jax >= 0.7 (the experimental module is deprecated, and gone in later releases)
@@ -247,4 +248,5 @@ class ShardedDecoderRunner(DecoderRunner):
             if self.impl == "pallas" else None),
             in_shardings=(self.param_sharding, self.state_sharding, replicated),
             out_shardings=(self.state_sharding, replicated), donate_argnums=(1,))
-        return fn.lower(self.params, self.state, batch_spec(self.cfg, *key)).compile()
+        return fn.lower(self.params, self.state, batch_spec(self.cfg, *key)).compile(
+            compiler_options=compile_options(jax.default_backend()) or None)

@@ -20,11 +20,15 @@ model as its `context_tokens` feature).
 
 `StepCost` wraps either as the plain `SchedulerOutput -> seconds` callable that the
 scheduler's cost-aware IBS takes (`SchedulerConfig.step_cost`, `EngineConfig.cost_model`).
+`known_cost_model` is the one the engine knows for its model and device (a GPU's roofline, the
+shipped CPU fit), and `engine_budget` the token budget it derives from it (`ridge_budget`,
+capped), as the simulator derives its own.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
 
 from hetero_jax.sched.output import DECODE, EMBED, PREFILL, SchedulerOutput
 from hetero_jax.sched.tiles import CascadeSettings, kv_pages_saved
@@ -230,6 +234,51 @@ def ridge_budget(model, amortized: float = AMORTIZED, lo: int = 16, hi: int = 81
     return budget
 
 
+DEFAULT_BUDGET = 256  # the engine's token budget where it knows no cost model
+# The engine's largest budget from a cost model: its default buckets then give at most 24
+# variants on a GPU (token buckets 16..512: 23 with the Pallas kernel), where the roofline of a
+# small model asks for thousands (its per-step overhead is what such a step amortises).
+MAX_ENGINE_BUDGET = 512
+# The shipped CPU fit (scripts/calibrate.py): the small preset's shapes in float32 on this
+# 2-core VM. Absent from an installed wheel, where the CPU then has no known cost model.
+CPU_FIT = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(
+    __file__)))), "calibration", "small-cpu.json")
+
+
+def engine_budget(model) -> int:
+    """The engine's default token budget: `ridge_budget` of the step-cost `model` it knows, at
+    most `MAX_ENGINE_BUDGET`; `DEFAULT_BUDGET` where `model` is None."""
+    return DEFAULT_BUDGET if model is None else min(ridge_budget(model), MAX_ENGINE_BUDGET)
+
+
+def gpu_hardware(device_kind: str) -> str | None:
+    """The `HARDWARE` name of a jax GPU `device_kind` ("NVIDIA H200", "NVIDIA A100-SXM4-40GB"),
+    or None for one without a roofline here."""
+    kind = device_kind.upper()
+    if "H200" in kind:
+        return "h200"
+    return "a100-40gb" if "A100" in kind and "40GB" in kind else None
+
+
+def _same_shapes(a: ModelSpec, b: ModelSpec) -> bool:
+    return dataclasses.replace(a, name="", bytes_per_param=0) == dataclasses.replace(
+        b, name="", bytes_per_param=0)
+
+
+def known_cost_model(model_cfg, backend: str, device_kind: str, bytes_per_param: int):
+    """The step-cost model the engine knows for `model_cfg` (a `ModelConfig`) on a device, or
+    None: on a GPU of `HARDWARE`, the roofline of the model; on a CPU, the shipped fit
+    (`CPU_FIT`) for a model of the small preset's shapes in float32."""
+    spec = ModelSpec.from_config(model_cfg, "engine", bytes_per_param)
+    if backend in ("gpu", "cuda", "rocm"):
+        hw = gpu_hardware(device_kind)
+        return RooflineCostModel(spec, HARDWARE[hw]) if hw else None
+    if (backend == "cpu" and bytes_per_param == 4 and _same_shapes(spec, MODELS["small"])
+            and os.path.isfile(CPU_FIT)):
+        return load_cost_model(CPU_FIT)
+    return None
+
+
 @dataclasses.dataclass(frozen=True)
 class StepCost:
     """A cost model as the callable the scheduler's cost-aware IBS takes
@@ -243,19 +292,17 @@ class StepCost:
         return self.model.step_time(StepShape.from_output(out, self.page_size, self.cascade))
 
 
-def engine_step_cost(spec, model_cfg, bytes_per_param: int, page_size: int,
-                     cascade: CascadeSettings | None) -> StepCost:
-    """`EngineConfig.cost_model` as a `StepCost`: an object with `step_time(StepShape)`, the
-    path of a cost model JSON file, or `roofline:<hardware>` of the engine's own model."""
+def engine_cost_model(spec, model_cfg, bytes_per_param: int):
+    """`EngineConfig.cost_model` other than "auto" as a model with `step_time(StepShape)`: such
+    an object itself, the path of a cost model JSON file, or `roofline:<hardware>` of the
+    engine's own model (`model_cfg`, weights of `bytes_per_param`)."""
     if not isinstance(spec, str):
-        return StepCost(spec, page_size, cascade)
+        return spec
     if spec.startswith("roofline:"):
         hw = spec.split(":", 1)[1]
         if hw not in HARDWARE:
             raise ValueError(f"cost_model={spec!r}: unknown hardware {hw!r}; expected one of "
                              f"{', '.join(HARDWARE)}")
-        model = RooflineCostModel(ModelSpec.from_config(model_cfg, "engine", bytes_per_param),
-                                  HARDWARE[hw])
-    else:
-        model = load_cost_model(spec)
-    return StepCost(model, page_size, cascade)
+        return RooflineCostModel(ModelSpec.from_config(model_cfg, "engine", bytes_per_param),
+                                 HARDWARE[hw])
+    return load_cost_model(spec)

@@ -172,11 +172,12 @@ class Engine(BatchAPI):
 
     # -- serving -----------------------------------------------------------------------------
     def warmup(self) -> int:
-        """Make every step variant (and every encoder bucket) ready: compiled in this process,
-        or, with the persistent compilation cache on, already on disk from an earlier process of
-        the same configuration (then the first step of that variant loads it, ~0.5 s for the
-        small preset, and compiles nothing). Returns how many variants this call built."""
-        built = self.runner.warmup(self.config.variants())
+        """Make the step variants `config.warmup` names (every one, or none where it is lazy:
+        the default on a CPU) and every encoder bucket ready: compiled in this process, or, with
+        the persistent compilation cache on, already on disk from an earlier process of the same
+        configuration (then the first step of that variant loads it, ~0.5 s for the small
+        preset, and compiles nothing). Returns how many variants this call built."""
+        built = self.runner.warmup(self.config.warmup_variants())
         if self.encoder:
             built += self.encoder.runner.warmup()
         self.count_compiles()
@@ -384,12 +385,16 @@ def _as_dtype(x, dtype, keep_placement: bool):
 
 
 def _resolved(model_cfg: ModelConfig, config: EngineConfig) -> EngineConfig:
-    """The config on this process's backend (dtype and attention impl "auto" made concrete),
-    with every None filled from the model and its sizes checked against the memory they imply
-    (`runner.memory.check_memory`: a ValueError naming the knob and the bytes)."""
+    """The config on this process's backend (dtype, attention impl, warm-up and cost model
+    "auto" made concrete, the cost model a model object or None), with every None filled from
+    the model and its sizes checked against the memory they imply (`runner.memory.
+    check_memory`: a ValueError naming the knob and the bytes)."""
     backend = jax.default_backend()
     config = dataclasses.replace(config, dtype=config.dtype_on(backend),
-                                 attention_impl=config.impl_on(backend))
+                                 attention_impl=config.impl_on(backend),
+                                 warmup=config.warmup_on(backend))
+    config = dataclasses.replace(config, cost_model=config.step_model(
+        model_cfg, backend, jax.devices()[0].device_kind))  # "auto": the one the engine knows
     itemsize = jnp.dtype(config.dtype).itemsize
     kv_bytes = 2 * model_cfg.num_layers * model_cfg.num_kv_heads * model_cfg.head_dim * itemsize
     # Sliding-window attention is not implemented: within the window it equals full attention.
