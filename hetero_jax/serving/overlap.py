@@ -16,8 +16,9 @@ pack, dispatch, wait for the sampled tokens, update. With it on, as vLLM's async
 A request that N finished (a stop token or string, a NaN output) still has a row in N+1: a dead
 row whose outputs nothing reads (`advance` skips it). Its pages go back to the pool at once,
 which is safe: the device runs steps in dispatch order, so a later step that reuses them runs
-after N+1. `has_work` holds while a step is in flight, so callers that loop on it drain the last
-one. Failures: an item whose own data cannot be packed fails alone (`finish_reason="error"`),
+after N+1. A step in flight with a live row keeps `has_work` true (the row's request is running),
+so callers that loop on it drain the last one; one whose rows all died (aborted between
+calls) is dropped unread by the next call. Failures: an item whose own data cannot be packed fails alone (`finish_reason="error"`),
 the others run next step; an error of no single request is raised (in overlap, one met while
 preparing N+1 is raised by the next call, after N's outputs are returned).
 """
@@ -70,13 +71,17 @@ class StepPipeline:
         self.error: Exception | None = None  # met preparing the next step: raised next call
 
     def has_work(self) -> bool:
-        return self.flight is not None or self.scheduler.has_work()
+        """Requests queued or running (a step in flight with a live row holds one), or an
+        error to raise. A flight left with dead rows only is collected by the next step."""
+        return self.scheduler.has_work() or self.error is not None
 
     def step(self) -> StepOutput:
         """One device step's outputs (see the module docstring)."""
         if self.error is not None:
             error, self.error = self.error, None
             raise error
+        if self.flight is not None and not self._is_live(self.flight):
+            self.flight = None  # every row's request ended meanwhile: nothing to read
         if self.flight is None:
             out = self.scheduler.schedule()
             assert out.items or out.encoder_items, "an empty step while requests are pending"
@@ -100,6 +105,11 @@ class StepPipeline:
                                   [live[rid] for rid in runner_out.sampled if rid in live])
 
     # -- dispatch and collect -------------------------------------------------------------
+    def _is_live(self, flight: _Flight) -> bool:
+        """Whether a request of the flight's step is still queued or running."""
+        live = self.scheduler.requests
+        return any(it.request_id in live for it in flight.out.items + flight.out.encoder_items)
+
     def _pack(self, out: SchedulerOutput) -> tuple | None:
         """(variant key, StepBatch) of `out`'s decoder items; None when it has none."""
         return pack_batch(out.items, self.config, out.cascade) if out.items else None
