@@ -227,8 +227,11 @@ class DecoderRunner:
         """Run the decoder's share of one step: `out.items` (sorted by kind, at least one)
         under the scheduler's cascade plan `out.cascade`. Its `step_time` leaves out the
         seconds spent compiling (or loading) a new variant, which `compile_s` counts."""
-        key, batch = pack_batch(out.items, self.cfg, out.cascade)
-        return self.collect(self.launch(out.items, key, batch))
+        return self.collect(self.launch(out.items, *self.pack(out)))
+
+    def pack(self, out: SchedulerOutput) -> tuple:
+        """(variant key, StepBatch of host arrays) of the step's decoder items."""
+        return pack_batch(out.items, self.cfg, out.cascade)
 
     def launch(self, items: list, key: tuple, batch) -> Launched:
         """Dispatch a packed step (`batch.pack_batch` of `items`) without waiting for it: jax

@@ -93,8 +93,7 @@ class Engine(BatchAPI):
             cache_identity=_cache_identity(model_cfg, c) if c.prefix_caching else None,
             adapter_digests={adapter_ids[n]: _adapter_digest(a) for n, a in (adapters or {}).items()})
         self.stats = EngineStats(batching=self.scheduler.batching.stats())
-        self.pipeline = StepPipeline(self.scheduler, self.runner, encoder, c, tokenizer,
-                                     self._account)
+        self.pipeline = StepPipeline(self)
         self._ids = itertools.count()  # request ids; next() is atomic across threads
         self._lock = threading.RLock()  # one step (or one `run`) at a time
 
@@ -285,7 +284,8 @@ class Engine(BatchAPI):
         """The length of the vectors `embed` returns."""
         return (self.encoder.runner.cfg if self.encoder else self.model_cfg).hidden_size
 
-    def _account(self, out, runner_out) -> None:
+    def record_step(self, out, runner_out) -> None:
+        """Add a step (its `SchedulerOutput` and `RunnerOutput`) to `stats`."""
         s = self.stats
         s.steps += 1
         s.scheduled_tokens += out.num_tokens

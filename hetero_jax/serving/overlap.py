@@ -62,13 +62,21 @@ class _Next:
 
 
 class StepPipeline:
-    def __init__(self, scheduler, runner, encoder, config, tokenizer, account):
-        """`account(out, runner_out)` records a finished step in the engine's stats."""
-        self.scheduler, self.runner, self.encoder = scheduler, runner, encoder
-        self.config, self.tokenizer, self.account = config, tokenizer, account
-        self.overlap = config.async_scheduling
+    def __init__(self, engine):
+        """Steps `engine`: its scheduler (read each step: a caller may replace it between
+        runs), runners, tokenizer, and its stats (`record_step(out, runner_out)`)."""
+        self.engine = engine
+        self.overlap = engine.config.async_scheduling
         self.flight: _Flight | None = None
         self.error: Exception | None = None  # met preparing the next step: raised next call
+
+    @property
+    def scheduler(self):
+        return self.engine.scheduler
+
+    @property
+    def runner(self):
+        return self.engine.runner
 
     def has_work(self) -> bool:
         """Requests queued or running (a step in flight with a live row holds one), or an
@@ -97,7 +105,7 @@ class StepPipeline:
             self._launch_next(nxt, runner_out)
         failed = self._fail_non_finite(runner_out, ahead)
         finished = self.scheduler.settle(ahead, runner_out, time.perf_counter())
-        self.account(flight.out, runner_out)
+        self.engine.record_step(flight.out, runner_out)
         if nxt is not None and nxt.error is not None:
             failed += self._fail_next(nxt)
         live = self.scheduler.requests
@@ -112,10 +120,10 @@ class StepPipeline:
 
     def _pack(self, out: SchedulerOutput) -> tuple | None:
         """(variant key, StepBatch) of `out`'s decoder items; None when it has none."""
-        return pack_batch(out.items, self.config, out.cascade) if out.items else None
+        return self.runner.pack(out) if out.items else None
 
     def _launch(self, out: SchedulerOutput, packed: tuple | None) -> _Flight:
-        encoded = (self.encoder.runner.execute(out.encoder_items) if out.encoder_items
+        encoded = (self.engine.encoder.runner.execute(out.encoder_items) if out.encoder_items
                    else RunnerOutput())
         launched = self.runner.launch(out.items, *packed) if packed else None
         return _Flight(out, encoded, launched)
@@ -164,7 +172,7 @@ class StepPipeline:
         culprits = []
         for item in out.items:
             try:
-                pack_batch([item], self.config)
+                pack_batch([item], self.engine.config)
             except Exception as e:  # noqa: BLE001 - this item's own data is broken
                 culprits.append((item.request_id, e))
         if not culprits:
@@ -196,11 +204,11 @@ class StepPipeline:
         text now holds one ends here, `finish_reason="stop"`; a finished one keeps its
         reason unless its last token completed a stop string."""
         for req in finished:
-            if req.error is None and detokenize.scan(req, self.tokenizer):
+            if req.error is None and detokenize.scan(req, self.engine.tokenizer):
                 req.finish_reason = "stop"
         going = []
         for req in progressed:
-            if detokenize.scan(req, self.tokenizer):
+            if detokenize.scan(req, self.engine.tokenizer):
                 self.scheduler.abort(req.request_id, "stop")
                 req.finish_time = time.perf_counter()
                 finished.append(req)
