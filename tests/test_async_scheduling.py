@@ -112,6 +112,27 @@ def test_per_step_deltas_and_aborts_are_the_same(pair):
         assert_same(a, b)
 
 
+def test_the_host_prepares_the_next_step_while_one_runs(pair, monkeypatch):
+    """By the order of the calls: with the overlap, step N+1 is scheduled and packed after N
+    is launched and before N is waited on, and N's results are settled after N+1 is launched;
+    without it each step runs schedule, launch, collect, settle in turn."""
+    for on, engine in pair.items():
+        calls = []
+        for obj, name in ((engine.scheduler, "schedule"), (engine.scheduler, "settle"),
+                          (engine.runner, "launch"), (engine.runner, "collect")):
+            def wrapped(*args, _fn=getattr(obj, name), _name=name, **kw):
+                calls.append(_name)
+                return _fn(*args, **kw)
+            monkeypatch.setattr(obj, name, wrapped)
+        engine.generate([[256, 5, 6], [256, 40]], SamplingParams(max_tokens=6, temperature=0,
+                                                                 ignore_eos=True), use_tqdm=False)
+        monkeypatch.undo()
+        cycle = (["launch", "schedule", "collect", "launch", "settle"] if on else
+                 ["schedule", "launch", "collect", "settle"])
+        steady = calls[1:1 + len(cycle)] if on else calls[:len(cycle)]
+        assert steady == cycle, calls
+
+
 @pytest.mark.slow
 def test_preemptions_and_cascade_steps_are_the_same():
     pair = engines(num_pages=20, cascade_min_pages=1, cascade_rows=4)
