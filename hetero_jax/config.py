@@ -81,6 +81,9 @@ class EngineConfig:
     chunk_seq_buckets: tuple | None = None  # None: (0, max_chunk_seqs)
     seed: int = 0
     prefix_caching: bool = True  # reuse the K/V (and pooler sums) of cached prompt prefixes
+    # Schedule and pack step N+1 while step N runs on the device, as vLLM's async scheduling
+    # (serving/overlap.py); the results are the same, False runs every step in sequence.
+    async_scheduling: bool = True
     # Cascade attention in decode-only steps: decode sequences sharing pages are cut into tiles
     # of `cascade_rows` that read the shared pages once; a step uses it when the tiles save at
     # least `cascade_min_pages` page reads. cascade_rows=0 turns it off.
@@ -137,6 +140,7 @@ class EngineConfig:
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be one of {choices}")
         require_bool("prefix_caching", self.prefix_caching)
+        require_bool("async_scheduling", self.async_scheduling)
         if self.compile_cache is not None and (not isinstance(self.compile_cache, str)
                                                or not self.compile_cache):
             raise ValueError(f"compile_cache={self.compile_cache!r} must be 'auto', a directory "

@@ -94,10 +94,10 @@ def test_a_request_that_breaks_fails_alone_in_the_async_front(engine, alone, mon
 
 def test_an_error_of_no_single_request_fails_all_and_the_front_keeps_serving(engine, alone,
                                                                             monkeypatch):
-    def lost(items):
+    def lost(*args):
         raise RuntimeError("device lost")
 
-    monkeypatch.setattr(engine.runner, "execute", lost)
+    monkeypatch.setattr(engine.runner, "launch", lost)
     with pytest.raises(RuntimeError, match="device lost"):
         engine.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert_clean(engine)

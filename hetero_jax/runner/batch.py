@@ -145,3 +145,17 @@ def pack_batch(items: list, cfg: EngineConfig,
         sample_rows=sample_rows, knobs=_pack_sampling(items, s),
         pool=_pack_pooling(items, rows, t, sc, cfg.max_num_seqs, ps), adapter_ids=adapter_ids)
     return key, batch
+
+
+def patch_tokens(batch: StepBatch, items: list, sampled: dict, placeholder: int) -> StepBatch:
+    """`batch` (packed from `items`) with each `placeholder` token, the last token of a decode
+    whose request's previous step was still running, replaced by the id that step sampled
+    (`sampled`: request_id -> SampledToken). Asserts that none is left."""
+    tokens = np.array(batch.tokens)  # [T] int32
+    lo = 0
+    for it in items:
+        if it.token_ids and it.token_ids[-1] == placeholder:
+            tokens[lo + it.num_tokens - 1] = sampled[it.request_id].token_id
+        lo += it.num_tokens
+    assert not (tokens[:lo] == placeholder).any(), f"a placeholder token is left: {tokens[:lo]}"
+    return batch.replace(tokens=tokens)

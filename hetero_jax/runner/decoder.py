@@ -53,6 +53,17 @@ class DeviceState:
     tokens: jax.Array  # [num_pages * page_size] int32: each KV slot's token id (penalties)
 
 
+@dataclasses.dataclass
+class Launched:
+    """A step dispatched to the device whose results are not read yet."""
+
+    items: list  # the step's ScheduledItems
+    key: tuple  # its variant
+    packed: jax.Array  # f32 [layout.size], being computed
+    t0: float  # perf_counter at dispatch
+    compile_s: float  # the runner's compile seconds at dispatch
+
+
 def step(params, state: DeviceState, batch: StepBatch, *, model_cfg: ModelConfig,
          layout: PackedLayout, max_q_len: int, chunk_pages: int | None, impl: str,
          interpret: bool, page_size: int, head=None, wrap_attention=None):
@@ -220,18 +231,30 @@ class DecoderRunner:
         """Run the decoder's share of one step: `out.items` (sorted by kind, at least one)
         under the scheduler's cascade plan `out.cascade`. Its `step_time` leaves out the
         seconds spent compiling (or loading) a new variant, which `compile_s` counts."""
+        return self.collect(self.launch(out.items, *self.pack(out)))
+
+    def pack(self, out: SchedulerOutput) -> tuple:
+        """(variant key, StepBatch of host arrays) of the step's decoder items."""
+        return pack_batch(out.items, self.cfg, out.cascade)
+
+    def launch(self, items: list, key: tuple, batch) -> Launched:
+        """Dispatch a packed step (`batch.pack_batch` of `items`) without waiting for it: jax
+        runs it asynchronously, and `collect` blocks on its results."""
         t0, compile0 = time.perf_counter(), self.compile_s
-        items = out.items
-        key, batch = pack_batch(items, self.cfg, out.cascade)
         self.state, packed = self.executable(key)(self.params, self.state, batch)
         self.cascade_steps += is_cascade(key)
-        layout = self.layout(key)
-        rows, vectors = layout.unpack(np.asarray(packed))
+        return Launched(items, key, packed, t0, compile0)
+
+    def collect(self, launched: Launched) -> RunnerOutput:
+        """Wait for a launched step -> its `RunnerOutput` (the one device->host copy)."""
+        layout = self.layout(launched.key)
+        rows, vectors = layout.unpack(np.asarray(launched.packed))
         result = RunnerOutput()
-        for i, it in enumerate(items):
+        for i, it in enumerate(launched.items):
             if it.samples:
                 result.sampled[it.request_id] = layout.sampled_token(rows[i])
             elif it.kind == EMBED and it.ends:
                 result.embeddings[it.request_id] = vectors[i].copy()
-        result.step_time = time.perf_counter() - t0 - (self.compile_s - compile0)
+        result.step_time = (time.perf_counter() - launched.t0
+                            - (self.compile_s - launched.compile_s))
         return result

@@ -5,7 +5,9 @@ data: the step's decoder items sorted by kind, embedding chunks, then prefill ch
 decode tokens, a separate encoder's whole inputs, and the cascade plan of a decode-only step
 when `cfg.cascade` is set, `tiles.py`), runs the model, and calls
 `update(scheduler_output, runner_output, now)`, which advances the requests, stamps their
-first-output and finish times and returns the ones that finished. Imports no jax.
+first-output and finish times and returns the ones that finished (or, to schedule the next
+step while this one runs, `advance` at once and `settle` on the results: advance.py).
+Imports no jax.
 
 Every policy shares one step structure under a per-step token budget:
 1. running decodes first (one token each; homogeneous embedding steps skip them);
@@ -40,10 +42,11 @@ import dataclasses
 import itertools
 import math
 
+from hetero_jax.sched.advance import Ahead, advance, settle
 from hetero_jax.sched.allocators import CacheStats, PagePool, SlotAllocator
 from hetero_jax.sched.batching import FeatherConfig, make_batching
 from hetero_jax.sched.output import (DECODE, EMBED, KIND_ORDER, PREFILL, RunnerOutput,
-                                     SampledToken, ScheduledItem, SchedulerOutput)
+                                     ScheduledItem, SchedulerOutput)
 from hetero_jax.sched.policies import Plan, make_policy
 from hetero_jax.sched.prefix import PrefixCache
 from hetero_jax.sched.request import GENERATE, REQUEST_KINDS, Request, Status
@@ -193,15 +196,16 @@ class Scheduler:
         """Forget every cached prefix; running requests keep their pages (`PagePool.reset`)."""
         self.pages.reset()
 
-    def abort(self, request_id) -> None:
-        """Drop a request wherever it is; its pages and pooler slot go back at once."""
+    def abort(self, request_id, reason: str = "abort") -> None:
+        """Drop a request wherever it is (it finishes with `reason`); its pages and pooler
+        slot go back at once."""
         req = self.requests.get(request_id)
         if req is None:
             return
         if req.status is Status.WAITING:
             self.waiting[req.kind].remove(req)
         self.pending[req.kind] -= req.num_pending
-        self._finish(req, "abort")
+        self._finish(req, reason)
 
     def schedule(self) -> SchedulerOutput:
         cfg = self.cfg
@@ -227,32 +231,16 @@ class Scheduler:
     def update(self, out: SchedulerOutput, runner_out: RunnerOutput,
                now: float | None = None) -> list:
         """Advance the scheduled requests; stamp the time `now` of their first output and
-        finish; returns the requests that finished this step."""
-        finished = []
-        for item in out.encoder_items + out.items:
-            req = self.requests.get(item.request_id)
-            if req is None or req.status is not Status.RUNNING:
-                continue  # aborted after it was scheduled
-            assert item.start == req.num_computed_tokens, (
-                f"request {req.request_id}: {item.start=} != {req.num_computed_tokens=}")
-            before = req.num_pending
-            req.num_computed_tokens = item.start + item.num_tokens
-            self.prefix.computed(req)
-            reason = None
-            if item.kind == EMBED:
-                if item.ends:
-                    req.embedding = runner_out.embeddings.get(req.request_id)
-                    req.first_token_time, reason = now, "embedded"
-            elif item.samples:
-                req.first_token_time = req.first_token_time or now
-                reason = self._append(req, runner_out.sampled[req.request_id])
-            self.pending[req.kind] += req.num_pending - before
-            if reason:
-                self._finish(req, reason)
-                req.finish_time = now
-                finished.append(req)
-        self.batching.step_done(out, runner_out.step_time)
-        return finished
+        finish; returns the requests that finished this step (`advance` then `settle`)."""
+        return settle(self, advance(self, out), runner_out, now)
+
+    def advance(self, out: SchedulerOutput) -> Ahead:
+        """The first half of `update`, before the step's results (`advance.py`)."""
+        return advance(self, out)
+
+    def settle(self, ahead: Ahead, runner_out: RunnerOutput, now: float | None = None) -> list:
+        """The second half of `update`, on the step's results (`advance.py`)."""
+        return settle(self, ahead, runner_out, now)
 
     # -- one step ----------------------------------------------------------------------------
     def _run_plan(self, plan: Plan, step: _Step) -> None:
@@ -422,15 +410,6 @@ class Scheduler:
         pos = next((i for i, r in enumerate(queue) if self._arrival[r.request_id] > arrival),
                    len(queue))
         queue.insert(pos, req)
-
-    def _append(self, req: Request, tok: SampledToken) -> str | None:
-        req.output_token_ids.append(tok.token_id)
-        req.output_logprobs.append(tok)
-        if tok.token_id in req.stop_token_ids:
-            return "stop"
-        if len(req.output_token_ids) >= req.max_tokens or req.num_tokens >= self.cfg.max_model_len:
-            return "length"
-        return None
 
     def _finish(self, req: Request, reason: str) -> None:
         """Free what the request holds and forget it."""

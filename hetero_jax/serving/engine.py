@@ -1,15 +1,17 @@
-"""The synchronous engine: validate requests, then loop schedule -> runner step -> update.
+"""The engine: validate requests, then loop schedule -> runner step -> update.
 
 In: `GenerateRequest`s / `EmbedRequest`s (or `generate`/`embed` arguments, `batch_api`).
 Out: `RequestOutput`s / `EmbeddingOutput`s (or an `[N, d]` array from `embed`) in input order.
 One thread. A request goes down once: `input_processor` checks and tokenizes it (a bad one
 raises before anything is queued), the host `sched.Scheduler` queues it and decides each
 step, `runner.DecoderRunner` (and a separate encoder's `runner.EncoderRunner`) run the
-step's plain-data items on the device, `Scheduler.update` advances the requests, and
+step's plain-data items on the device, `Scheduler.advance`/`settle` move the requests on, and
 `output_processor` formats the finished ones. Generation and embedding requests share the
 same steps (`run`); `add`/`step`/`abort`/`output` expose the loop to `AsyncEngine`. Each
 `step` returns a `StepOutput`: the requests it finished and those it gave a token and that go
-on, so a front streams per-step deltas from host state the step already copied back.
+on, so a front streams per-step deltas from host state the step already copied back. With
+`EngineConfig.async_scheduling` the next step is scheduled and dispatched before a step's
+outputs are processed (`overlap.StepPipeline`), so the host's work overlaps the device's.
 """
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from hetero_jax.config import EngineConfig, config_or_default
-from hetero_jax.models import detokenize, llama, lora
+from hetero_jax.models import llama, lora
 from hetero_jax.models.config import ModelConfig
 from hetero_jax.models.formats.hf_llama import load_params, read_model_config
 from hetero_jax.models.formats.peft import load_adapter
@@ -35,28 +37,20 @@ from hetero_jax.models.layers import stack_layers
 from hetero_jax.models.presets import preset_config, preset_dir, require_local_dir
 from hetero_jax.models.tokenizer import ByteTokenizer, load_tokenizer
 from hetero_jax.outputs import EngineStats
-from hetero_jax.runner.batch import pack_batch
 from hetero_jax.runner.compile_progress import BarClock
 from hetero_jax.runner.decoder import DecoderRunner
 from hetero_jax.runner.memory import check_memory
 from hetero_jax.runner.sharding import ShardedDecoderRunner, check_tensor_parallel, \
     restore_targets, unexpand_kv_heads
-from hetero_jax.sched import RunnerOutput, Scheduler
+from hetero_jax.sched import Scheduler
 from hetero_jax.sched.hashing import chain_seed
 from hetero_jax.serving import checkpoint
 from hetero_jax.serving.batch_api import BatchAPI
 from hetero_jax.serving.encoder import SeparateEncoder
 from hetero_jax.serving.input_processor import EmbeddingModel, InputProcessor, expand_samples
 from hetero_jax.serving.output_processor import error_output, make_output
+from hetero_jax.serving.overlap import StepOutput, StepPipeline
 from hetero_jax.warn import warn
-
-
-@dataclasses.dataclass
-class StepOutput:
-    """What one `Engine.step` did, as `sched.Request` handles (read them between steps)."""
-
-    finished: list  # finished, failed or aborted in this step
-    progressed: list  # sampled a token in this step and go on
 
 
 class Engine(BatchAPI):
@@ -99,6 +93,7 @@ class Engine(BatchAPI):
             cache_identity=_cache_identity(model_cfg, c) if c.prefix_caching else None,
             adapter_digests={adapter_ids[n]: _adapter_digest(a) for n, a in (adapters or {}).items()})
         self.stats = EngineStats(batching=self.scheduler.batching.stats())
+        self.pipeline = StepPipeline(self)
         self._ids = itertools.count()  # request ids; next() is atomic across threads
         self._lock = threading.RLock()  # one step (or one `run`) at a time
 
@@ -232,48 +227,23 @@ class Engine(BatchAPI):
         return reqs
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        """Whether requests are queued or running, or a step is in flight."""
+        return self.pipeline.has_work()
 
     def step(self) -> StepOutput:
-        """One scheduled step: the separate encoder's pass (if it has items), then the
-        decoder's (if it has items); returns the requests that finished (or failed) and those
-        that sampled a token and go on.
+        """One device step's outputs: the requests it finished (or failed) and those that
+        sampled a token and go on. With `config.async_scheduling` (the default) the next step
+        is scheduled, packed and dispatched before this one's outputs are processed, so the
+        call returns with a step in flight (`has_work` holds until it is drained); results
+        are the same either way (`overlap.StepPipeline`).
 
-        When running the step raises, the items whose own data cannot be packed are failed
+        When packing a step raises, the items whose own data cannot be packed are failed
         alone (`finish_reason="error"`, pages and slots freed) and the others run next step;
         when no item is to blame, the error is raised. A request whose sampled token or
-        embedding comes back NaN or Inf fails alone the same way (`_fail_non_finite`).
+        embedding comes back NaN or Inf fails alone the same way.
         """
         with self._lock:
-            out = self.scheduler.schedule()
-            assert out.items or out.encoder_items, "an empty step while requests are pending"
-            try:
-                runner_out = self._execute(out)
-            except Exception as error:
-                return StepOutput(self._fail_culprits(out, error), [])
-            failed = self._fail_non_finite(runner_out)
-            finished = self.scheduler.update(out, runner_out, time.perf_counter())
-            self._account(out, runner_out)
-            live = self.scheduler.requests
-            return self._stop_strings(failed + finished,
-                                      [live[rid] for rid in runner_out.sampled if rid in live])
-
-    def _stop_strings(self, finished: list, progressed: list) -> StepOutput:
-        """The step's output after its requests' stop strings (`detokenize.scan`): one whose
-        text now holds one ends here, `finish_reason="stop"`; a finished one keeps its
-        reason unless its last token completed a stop string."""
-        for req in finished:
-            if req.error is None and detokenize.scan(req, self.tokenizer):
-                req.finish_reason = "stop"
-        going = []
-        for req in progressed:
-            if detokenize.scan(req, self.tokenizer):
-                self.scheduler.abort(req.request_id)
-                req.finish_reason, req.finish_time = "stop", time.perf_counter()
-                finished.append(req)
-            else:
-                going.append(req)
-        return StepOutput(finished, going)
+            return self.pipeline.step()
 
     def queue_counts(self) -> tuple[dict, dict]:
         """(waiting, running): request counts by kind ("generate", "embed"); callable from
@@ -315,45 +285,8 @@ class Engine(BatchAPI):
         """The length of the vectors `embed` returns."""
         return (self.encoder.runner.cfg if self.encoder else self.model_cfg).hidden_size
 
-    def _execute(self, out) -> RunnerOutput:
-        runner_out = RunnerOutput()
-        if out.encoder_items:
-            runner_out = self.encoder.runner.execute(out.encoder_items)
-        if out.items:
-            runner_out = runner_out.merge(self.runner.execute(out))
-        return runner_out
-
-    def _fail_culprits(self, out, error: Exception) -> list:
-        """Fail the decoder items that cannot be packed even alone; re-raise if there are none."""
-        culprits = []
-        for item in out.items:
-            try:
-                pack_batch([item], self.config)
-            except Exception as e:  # noqa: BLE001 - this item's own data is broken
-                culprits.append((item.request_id, e))
-        if not culprits:
-            raise error
-        return [self._fail(rid, e) for rid, e in culprits]
-
-    def _fail_non_finite(self, runner_out) -> list:
-        """Fail the requests whose sampled token (its log-probability) or embedding came back
-        NaN or Inf: what the model made of their inputs overflowed. The step's others go on."""
-        bad = [(rid, "sampled token's log-probability") for rid, t in runner_out.sampled.items()
-               if not np.isfinite(t.logprob)]
-        bad += [(rid, "embedding") for rid, v in runner_out.embeddings.items()
-                if not np.isfinite(v).all()]
-        return [self._fail(rid, FloatingPointError(
-            f"the model's output for it is not finite (NaN or Inf in its {what}): the weights "
-            "or its activations overflowed")) for rid, what in bad]
-
-    def _fail(self, rid, error: Exception):
-        """Abort a request (its pages and slot freed) as failed with `error`; -> its handle."""
-        req = self.scheduler.requests[rid]
-        self.scheduler.abort(rid)
-        req.finish_reason, req.error, req.finish_time = "error", error, time.perf_counter()
-        return req
-
-    def _account(self, out, runner_out) -> None:
+    def record_step(self, out, runner_out) -> None:
+        """Add a step (its `SchedulerOutput` and `RunnerOutput`) to `stats`."""
         s = self.stats
         s.steps += 1
         s.scheduled_tokens += out.num_tokens
