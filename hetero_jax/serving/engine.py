@@ -7,7 +7,8 @@ raises before anything is queued), the host `sched.Scheduler` queues it and deci
 step, `runner.DecoderRunner` (and a separate encoder's `runner.EncoderRunner`) run the
 step's plain-data items on the device, `Scheduler.update` advances the requests, and
 `output_processor` formats the finished ones. Generation and embedding requests share the
-same steps (`run`); `add`/`step`/`abort`/`output` expose the loop to `AsyncEngine`. Each
+same steps (`run`, which steps through a `drive.Drive` as every caller does);
+`prepare`/`enqueue`/`step`/`abort`/`output` are what a `Drive` calls. Each
 `step` returns a `StepOutput`: the requests it finished and those it gave a token and that go
 on, so a front streams per-step deltas from host state the step already copied back.
 """
@@ -45,6 +46,7 @@ from hetero_jax.sched import RunnerOutput, Scheduler
 from hetero_jax.sched.hashing import chain_seed
 from hetero_jax.serving import checkpoint
 from hetero_jax.serving.batch_api import BatchAPI
+from hetero_jax.serving.drive import Drive
 from hetero_jax.serving.encoder import SeparateEncoder
 from hetero_jax.serving.input_processor import EmbeddingModel, InputProcessor, expand_samples
 from hetero_jax.serving.output_processor import error_output, make_output
@@ -195,22 +197,27 @@ class Engine(BatchAPI):
             if self.scheduler.has_work():
                 raise RuntimeError("the engine is serving other requests (an AsyncEngine's, or "
                                    "a step-wise caller's): use that front, or wait for them")
-            reqs = self.add(expand_samples(requests))
+            reqs = self.prepare(expand_samples(requests))  # all checked before any is queued
+            drive = Drive(self)
+            refused = drive.queue(enumerate(reqs))
             bar = tqdm(total=len(reqs), desc="requests", unit="req", disable=not use_tqdm)
             clock = BarClock(bar, lambda: self.stats.compile_s, time.perf_counter)
-            tokens0 = self.stats.generated_tokens
+            tokens0, results = self.stats.generated_tokens, {}
             try:
-                while self.has_work():
-                    clock.update(len(self.step().finished))  # compiling left out of its times
+                if refused:  # the scheduler's own limits
+                    index, result = refused[0]
+                    raise result.error.at(index)
+                for finished in drive.steps():
+                    clock.update(len(finished))  # compiling left out of its times
+                    results.update(finished)
                     rate = (self.stats.generated_tokens - tokens0) / max(clock.serving_s(), 1e-9)
                     bar.set_postfix(tok_s=f"{rate:.1f}", refresh=False)
             finally:
                 bar.close()
-                for req in reqs:
-                    self.abort(req.request_id)  # no-op for finished ones
-            return [self.output(req) for req in reqs]
+                drive.abort_all()  # what a raising step left in flight
+            return [results[i].output for i in range(len(reqs))]
 
-    # -- step-wise interface (AsyncEngine drives it) -----------------------------------------
+    # -- step-wise interface (a `drive.Drive` calls it) ----------------------------------------
     def add(self, requests: list) -> list:
         """Validate every request, then queue them all; returns their `Request` handles.
 
@@ -287,6 +294,12 @@ class Engine(BatchAPI):
         """Drop a request wherever it is; the scheduler frees its pages and pooler slot."""
         with self._lock:
             self.scheduler.abort(request_id)
+
+    def fail(self, request_id, error: Exception) -> None:
+        """Fail one request alone between steps (its pages and slot freed), as a step fails
+        one whose own data is at fault: its output has `finish_reason="error"` and `error`."""
+        with self._lock:
+            self._fail(request_id, error)
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix. Safe while requests run: their pages stay theirs, later

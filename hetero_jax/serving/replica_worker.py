@@ -1,8 +1,8 @@
 """A replica's process (`worker`) and the parent's thread that reads it (`reader`).
 
 The protocol is `serving.replicas`': the worker builds a whole `Engine` pinned to one core and
-drives it through a `drive.Drive`: it reads every command waiting on its pipe (blocking only
-when the engine is idle), runs one step, and, when some requests finished, sends `("done",
+runs the one `drive.Drive` loop (`serve`) on it: it reads every command waiting on its pipe
+(blocking only when the engine is idle), runs one step, and, when some requests finished, sends `("done",
 ([(tag, RequestResult)], stats))` for them. Commands: `("add", [(tag, request)])` prepares and
 queues each request (one its checks refuse comes back at once, its `RequestError` naming it as
 index 0); `("stream", [(tag, request)])` does the same and, after each step that gave one of
@@ -46,24 +46,30 @@ def worker(index: int, core: int, source: ModelSource, config: EngineConfig, con
         return
     conn.send(("ready", engine_info(engine)))
     drive = Drive(engine)
-    while True:
-        while conn.poll(0) or not engine.has_work():
-            cmd, arg = conn.recv()
-            if cmd == "close":
-                return
-            reply = _handle(drive, cmd, arg)
-            if reply is not None:
-                conn.send(reply)
-        try:
-            deltas, results = drive.step_with_deltas()
-        except Exception as e:  # noqa: BLE001 - no request to blame: fail this replica's own
-            why = f"replica {index} failed a step: {type(e).__name__}: {e}"
-            conn.send(("failed", (drive.abort_all(), why)))
-            continue
+
+    def take(wait: bool):
+        return conn.recv() if wait or conn.poll(0) else None
+
+    def handle(command) -> bool:
+        cmd, arg = command
+        if cmd == "close":
+            return False
+        reply = _handle(drive, cmd, arg)
+        if reply is not None:
+            conn.send(reply)
+        return True
+
+    def report(deltas, results, failure) -> None:
+        if failure is not None:
+            tags, e = failure
+            conn.send(("failed", (tags, f"replica {index} failed a step: "
+                                        f"{type(e).__name__}: {e}")))
         if deltas:
             conn.send(("deltas", deltas))
         if results:
             conn.send(("done", (results, engine.stats)))
+
+    drive.serve(take, handle, report)
 
 
 def _handle(drive: Drive, cmd: str, arg):
