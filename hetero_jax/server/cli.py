@@ -69,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
                    metavar="N", help="larger request bodies get 413")
     p.add_argument("--replicas", type=ints["replicas"], default=1,
                    help="engines in their own processes, one CPU core each, behind a router")
+    p.add_argument("--engine-process", action="store_true",
+                   help="step the engine in a process of its own (a replica set of one), "
+                   "not in a thread of the server's")
     p.add_argument("--tensor-parallel", type=ints["tensor_parallel"], default=1, metavar="N",
                    help="split the decoder over N devices (per replica)")
     p.add_argument("--scheduler", default="ibs", choices=list(POLICIES),
@@ -104,7 +107,7 @@ def build_client(args):
     from hetero_jax.serving.replicas import ReplicaSet
 
     cfg = engine_config(args)
-    if args.replicas > 1:
+    if args.replicas > 1 or args.engine_process:
         replicas = (ReplicaSet.from_pretrained(args.model, args.replicas, cfg, args.embed_model,
                                                args.embed_adapter) if args.model else
                     ReplicaSet.from_preset(args.preset, args.replicas, args.seed, cfg))

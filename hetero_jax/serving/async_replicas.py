@@ -8,13 +8,14 @@ for the set's finished requests (`collect`, whose `RequestResult`s carry an outp
 `RequestError` with which the replica's checks refused the request) and delivers them: a
 request that failed running or whose replica died raises `RequestFailed` (the others go on).
 Generations are submitted with `stream=True`, so a `ReplicaSet`'s worker sends each step's
-delta (built there from the host-side request, as `stepper.Stepper` does) and the collector
-hands it on as an `"out"` event, renamed with the caller's id; the finished output's last
-delta is what it holds beyond the ids and text already sent. (`RayReplicaSet` reports a
-request when it ends: its stream has one delta, the finished one.) Aborting a request aborts it on its replica. `stats` sums the replicas'
-counters; its `waiting` counts the requests in flight by kind (the replicas do not report
-their queues). `close()` fails and aborts every request still in flight; the replica
-processes stay up (close the set for that).
+delta (built there from the host-side request by the same `drive.Drive` loop as the
+in-process stepper's) and the collector hands it on as an `"out"` event, renamed with the
+caller's id (`front.Flights`); the finished output's last delta is what it holds beyond the
+ids and text already sent. (`RayReplicaSet` reports a request when it ends: its stream has
+one delta, the finished one.) Aborting a request aborts it on its replica. `stats` sums
+the replicas' counters; its `waiting` counts the requests in flight by kind (the replicas
+do not report their queues). `close()` fails and aborts every request still in flight; the
+replica processes stay up (close the set for that).
 
 `DedicatedCore` serves a `DedicatedEngine`, whose only serving call is a batch `run()`: per
 worker (embedding, generation) one `run()` at a time in its own thread; requests that arrive

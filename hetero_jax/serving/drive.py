@@ -1,4 +1,5 @@
-"""The one drive of an engine: admit, step, drain; and the one loop that owns it (no jax).
+"""The one drive of an engine: admit, step, drain; and the one loop that owns it (imports
+no jax, nor any other part of `serving`).
 
 In: (tag, request) pairs, a tag being whatever the caller knows the request by (a replica's
 tag, a batch row's key, the front's engine id). `admit` prepares each request alone
@@ -11,8 +12,8 @@ that refused it. A step that raises, with no request to blame, raises here; the 
 decides (`abort_all` hands back the tags still in flight, aborted). A request queued with
 `stream=True` also gets its per-step deltas: `step_with_deltas` gives (tag, `GenerateDelta`)
 for each streamed generation a step gave tokens and that goes on, built from the host-side
-request (`output_processor.delta`, no device read; one whose delta cannot be built fails
-alone at once); the others cost nothing. The loop is written against `has_work` / `step`
+request (`Engine.delta`, no device read; one whose delta cannot be built fails alone at
+once); the others cost nothing. The loop is written against `has_work` / `step`
 and `StepOutput`, so an engine whose step hands back an earlier step's requests drives alike.
 
 Who drives an engine through it. The batch callers step until their requests are done
@@ -27,7 +28,6 @@ from __future__ import annotations
 import time
 
 from hetero_jax.outputs import RequestError, RequestResult
-from hetero_jax.serving.output_processor import delta
 
 
 class Drive:
@@ -108,7 +108,7 @@ class Drive:
         if cursor is None:
             return None
         try:
-            d, cursor[1] = delta(req, cursor[0], cursor[1], self.engine.tokenizer, tag)
+            d, cursor[1] = self.engine.delta(req, cursor[0], cursor[1], tag)
         except Exception as e:  # noqa: BLE001 - this request's data: it fails alone
             return e
         cursor[0] += len(d.token_ids)

@@ -49,6 +49,7 @@ from hetero_jax.serving.batch_api import BatchAPI
 from hetero_jax.serving.drive import Drive
 from hetero_jax.serving.encoder import SeparateEncoder
 from hetero_jax.serving.input_processor import EmbeddingModel, InputProcessor, expand_samples
+from hetero_jax.serving.output_processor import delta as make_delta
 from hetero_jax.serving.output_processor import error_output, make_output
 from hetero_jax.warn import warn
 
@@ -316,6 +317,11 @@ class Engine(BatchAPI):
             except Exception as e:  # noqa: BLE001 - this request's data: fail it alone
                 req.error = e
         return error_output(req)
+
+    def delta(self, req, num_sent: int, read: int, request_id) -> tuple:
+        """What a running generation added since its first `num_sent` ids, from the host-side
+        request -> (its `GenerateDelta`, the new text cursor `read`; `output_processor.delta`)."""
+        return make_delta(req, num_sent, read, self.tokenizer, request_id)
 
     @property
     def worker_stats(self) -> dict:

@@ -13,8 +13,10 @@ a loop busy with HTTP or retrieval, and routes them to the request's queue.
 
 Cores: `async_engine.EngineCore` (one `Engine` in this process, stepped by a
 `stepper.Stepper`: a delta per step), `async_replicas.ReplicaCore` (a `ReplicaSet`: a
-delta per step, sent by its workers; a `RayReplicaSet`: one delta, the finished one) and `async_replicas.DedicatedCore` (a
-`DedicatedEngine`: one batch per worker at a time). Leaving a stream early, cancelling a
+delta per step, sent by its workers; a `RayReplicaSet`: one delta, the finished one) and
+`async_replicas.DedicatedCore` (a `DedicatedEngine`: one batch per worker at a time). The
+first two keep their requests in a `Flights`, which turns each (tag, `RequestResult`) that
+comes back into its event, so both stream alike. Leaving a stream early, cancelling a
 coroutine or `abort(request_id)` aborts its request; `close()` stops the core and fails every
 request still in flight with `RequestFailed`. A front serves one event loop (another loop
 gets a RuntimeError while the first is open or requests are in flight).

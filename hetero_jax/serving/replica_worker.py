@@ -2,18 +2,18 @@
 
 The protocol is `serving.replicas`': the worker builds a whole `Engine` pinned to one core and
 runs the one `drive.Drive` loop (`serve`) on it: it reads every command waiting on its pipe
-(blocking only when the engine is idle), runs one step, and, when some requests finished, sends `("done",
-([(tag, RequestResult)], stats))` for them. Commands: `("add", [(tag, request)])` prepares and
-queues each request (one its checks refuse comes back at once, its `RequestError` naming it as
-index 0); `("stream", [(tag, request)])` does the same and, after each step that gave one of
-those generations tokens and did not end it, sends `("deltas", [(tag, GenerateDelta)])` before
-that step's `"done"` (`Drive.step_with_deltas`; an "add"ed request sends nothing until it
-ends, so the batch path costs what it did); `("abort", [tag])`, `("warmup", None) -> ("warmed", compiles)`, `("close", None)`. A
-step that raises with no request to blame (the engine already failed any culprit alone) sends
-`("failed", (tags, reason))` for every request of this replica, aborted, and the worker keeps
-serving. The parent's `reader` thread moves each message onto one queue shared by all
-replicas, and `("dead", exit code)` once the pipe closes. Imports no jax (the engine does, in
-the worker).
+(blocking only when the engine is idle), runs one step, and, when some requests finished,
+sends `("done", ([(tag, RequestResult)], stats))` for them. Commands: `("add", [(tag,
+request)])` prepares and queues each request (one its checks refuse comes back at once, its
+`RequestError` naming it as index 0); `("stream", [(tag, request)])` does the same and, after
+each step that gave one of those generations tokens and did not end it, sends `("deltas",
+[(tag, GenerateDelta)])` before that step's `"done"` (`Drive.step_with_deltas`; an "add"ed
+request sends nothing until it ends, so the batch path costs what it did); `("abort",
+[tag])`, `("warmup", None) -> ("warmed", compiles)`, `("close", None)`. A step that raises
+with no request to blame (the engine already failed any culprit alone) sends `("failed",
+(tags, reason))` for every request of this replica, aborted, and the worker keeps serving.
+The parent's `reader` thread moves each message onto one queue shared by all replicas, and
+`("dead", exit code)` once the pipe closes. Imports no jax (the engine does, in the worker).
 """
 from __future__ import annotations
 
