@@ -5,9 +5,9 @@
 
 In: argv. Every flag is checked (argparse, exit status 2) before jax is imported, so `--help`
 and a bad flag answer at once. Then `build_client` makes the engine (one `Engine` behind an
-`AsyncEngine`, or with `--replicas N` a `ReplicaSet` behind an `AsyncReplicas`), warms it up
-(every step variant compiled before the first request), and uvicorn serves `app.build_app`
-on it until Ctrl-C. `ServerThread` runs the same app on a loopback port in a thread, for the
+`AsyncEngine`, or with `--replicas N` or `--engine-process` a `ReplicaSet` behind an
+`AsyncReplicas`), warms it up (every step variant compiled before the first request), and
+uvicorn serves `app.build_app` on it until Ctrl-C. `ServerThread` runs the same app on a loopback port in a thread, for the
 tests and the online benchmark.
 """
 from __future__ import annotations
@@ -104,13 +104,15 @@ def build_client(args):
     from hetero_jax.serving.async_engine import AsyncEngine
     from hetero_jax.serving.async_replicas import AsyncReplicas
     from hetero_jax.serving.engine import Engine
+    from hetero_jax.serving.processes import ModelSource
     from hetero_jax.serving.replicas import ReplicaSet
 
     cfg = engine_config(args)
     if args.replicas > 1 or args.engine_process:
         replicas = (ReplicaSet.from_pretrained(args.model, args.replicas, cfg, args.embed_model,
                                                args.embed_adapter) if args.model else
-                    ReplicaSet.from_preset(args.preset, args.replicas, args.seed, cfg))
+                    ReplicaSet(ModelSource(preset=args.preset, seed=args.seed,
+                                           embed_model=args.embed_model), args.replicas, cfg))
         client = AsyncReplicas(replicas)
         engine = replicas
     else:
