@@ -138,7 +138,7 @@ def test_the_asyncio_front_serves_coroutines_and_cancels(replicas, one):
 def test_the_server_over_replicas_gives_what_one_engine_gives(replicas, one):
     """`serve --engine-process` (and `--replicas N`): the OpenAI server on replica processes;
     greedy tokens, plain and streamed, equal one engine's, embeddings to fp32 reduction order
-    (the steps hold other requests)."""
+    (the steps hold other requests); its stats carry the replicas' step times."""
     import openai
 
     from hetero_jax.server.app import ServerConfig, build_app
@@ -148,7 +148,8 @@ def test_the_server_over_replicas_gives_what_one_engine_gives(replicas, one):
     greedy = SamplingParams(max_tokens=6, temperature=0)
     want = [w.token_ids for w in one.generate(prompts, greedy, use_tqdm=False)]
     want_vec = one.embed([[1, 2, 3], [4, 5, 6, 7]], use_tqdm=False)
-    with ServerThread(build_app(AsyncReplicas(replicas), ServerConfig(model="tiny"))) as srv:
+    front = AsyncReplicas(replicas)
+    with ServerThread(build_app(front, ServerConfig(model="tiny"))) as srv:
         oai = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0,
                             timeout=120)
         got = oai.completions.create(model="tiny", prompt=prompts, max_tokens=6,
@@ -164,6 +165,9 @@ def test_the_server_over_replicas_gives_what_one_engine_gives(replicas, one):
     assert [streamed[i] for i in range(2)] == want
     np.testing.assert_allclose([v.embedding for v in vecs], want_vec, rtol=1e-5, atol=1e-6)
     assert replicas.in_flight == 0
+    stats = front.stats  # /metrics: the replicas' step times, none running or waiting now
+    assert sum(stats.steps.counts) > 0 and stats.steps.total_s > 0
+    assert not any(stats.running.values()) and not any(stats.waiting.values())
 
 
 def test_replica_streams_send_a_delta_per_step_that_joins_to_the_output(replicas, one):

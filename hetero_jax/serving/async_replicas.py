@@ -13,9 +13,10 @@ in-process stepper's) and the collector hands it on as an `"out"` event, renamed
 caller's id (`front.Flights`); the finished output's last delta is what it holds beyond the
 ids and text already sent. (`RayReplicaSet` reports a request when it ends: its stream has
 one delta, the finished one.) Aborting a request aborts it on its replica. `stats` sums
-the replicas' counters; its `waiting` counts the requests in flight by kind (the replicas
-do not report their queues). `close()` fails and aborts every request still in flight; the
-replica processes stay up (close the set for that).
+the replicas' counters; its step times and running requests are what the replicas last
+reported with a finished request (`RoutedReplicas.load`; a Ray set reports none), its
+`waiting` the others in flight, by kind. `close()` fails and aborts every request still in
+flight; the replica processes stay up (close the set for that).
 
 `DedicatedCore` serves a `DedicatedEngine`, whose only serving call is a batch `run()`: per
 worker (embedding, generation) one `run()` at a time in its own thread; requests that arrive
@@ -83,7 +84,11 @@ class ReplicaCore:
         self.replicas.abort([tag])
 
     def stats(self) -> FrontStats:
-        return FrontStats(self.replicas.stats, self._flights.kinds(), {}, StepTimes())
+        """Running: as the replicas last reported; waiting: the rest of those in flight."""
+        steps, running = self.replicas.load
+        waiting = {kind: max(n - running.get(kind, 0), 0)
+                   for kind, n in self._flights.kinds().items()}
+        return FrontStats(self.replicas.stats, waiting, running, steps)
 
     def stop(self) -> None:
         """End the collector thread; abort every request still in flight."""
