@@ -300,7 +300,10 @@ class Engine(BatchAPI):
         """Fail one request alone between steps (its pages and slot freed), as a step fails
         one whose own data is at fault: its output has `finish_reason="error"` and `error`."""
         with self._lock:
-            self._fail(request_id, error)
+            req = self.scheduler.requests.get(request_id)
+            if req is not None:
+                self.scheduler.abort(request_id)
+                req.finish_reason, req.error, req.finish_time = "error", error, time.perf_counter()
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix. Safe while requests run: their pages stay theirs, later
