@@ -205,8 +205,7 @@ class Engine(BatchAPI):
             clock = BarClock(bar, lambda: self.stats.compile_s, time.perf_counter)
             tokens0, results = self.stats.generated_tokens, {}
             try:
-                if refused:  # the scheduler's own limits
-                    index, result = refused[0]
+                for index, result in refused[:1]:  # the scheduler's own limits
                     raise result.error.at(index)
                 for finished in drive.steps():
                     clock.update(len(finished))  # compiling left out of its times
@@ -297,8 +296,7 @@ class Engine(BatchAPI):
             self.scheduler.abort(request_id)
 
     def fail(self, request_id, error: Exception) -> None:
-        """Fail one request alone between steps (its pages and slot freed), as a step fails
-        one whose own data is at fault: its output has `finish_reason="error"` and `error`."""
+        """Fail one request alone between steps (pages and slot freed; its output has `error`)."""
         with self._lock:
             req = self.scheduler.requests.get(request_id)
             if req is not None:
@@ -322,8 +320,7 @@ class Engine(BatchAPI):
         return error_output(req)
 
     def delta(self, req, num_sent: int, read: int, request_id) -> tuple:
-        """What a running generation added since its first `num_sent` ids, from the host-side
-        request -> (its `GenerateDelta`, the new text cursor `read`; `output_processor.delta`)."""
+        """`output_processor.delta`: a running generation's new ids since `num_sent`."""
         return make_delta(req, num_sent, read, self.tokenizer, request_id)
 
     @property
