@@ -100,3 +100,55 @@ def test_an_idle_engine_with_requests_in_flight_is_a_bug():
     engine.queued.clear()
     with pytest.raises(AssertionError, match="1 requests in flight"):
         drive.step()
+
+
+def test_the_drive_serves_commands_between_steps_and_reports_each_step():
+    """`serve` applies every waiting command before a step, blocks only while idle, reports
+    each step, and a step that raises with no request to blame aborts its requests, reports
+    them as one failure and goes on."""
+    engine, log = FakeEngine(), []
+    drive = Drive(engine)
+    commands = [("add", [("a", 2), ("b", 1)]), None, None, ("add", [("c", 1), ("d", -1)]),
+                ("boom", None), None, ("add", [("e", 1)]), None, ("stop", None)]
+    waits = []
+
+    def take(wait):
+        waits.append(wait)
+        return commands.pop(0)
+
+    def handle(command):
+        cmd, arg = command
+        if cmd == "stop":
+            return False
+        if cmd == "boom":
+            engine.step = lambda: (_ for _ in ()).throw(RuntimeError("device lost"))
+        else:
+            log.append(("refused", [(tag, str(r.error)) for tag, r in drive.admit(arg)]))
+        return True
+
+    def report(deltas, finished, failure):
+        log.append((deltas, finished, failure and (failure[0], str(failure[1]))))
+        if failure:
+            del engine.step  # the class's step again
+
+    drive.serve(take, handle, report)
+    assert log == [
+        ("refused", []), ([], [("b", RequestResult("out 1"))], None),
+        ([], [("a", RequestResult("out 0"))], None),
+        ("refused", [("d", "prompt 0 is empty")]),
+        ([], [], (["c"], "device lost")), ("refused", []),
+        ([], [("e", RequestResult("out 3"))], None)]
+    assert waits == [True, False, False, True, False, False, True, False, True]
+    assert engine.aborted == [2] and len(drive) == 0
+
+
+def test_the_scheduler_s_refusal_is_a_request_error_and_queues_nothing():
+    engine = FakeEngine()
+    engine.enqueue = lambda reqs: (_ for _ in ()).throw(ValueError("request 0 has no tokens"))
+    drive = Drive(engine)
+    (req,) = engine.prepare([3])
+    req.is_embed = True
+    [(tag, result)] = drive.queue([("a", req)])
+    assert (tag, result.error.field, str(result.error)) == ("a", "input",
+                                                             "request 0 has no tokens")
+    assert len(drive) == 0

@@ -92,6 +92,31 @@ def test_a_request_that_breaks_fails_alone_in_the_async_front(engine, alone, mon
     assert_clean(engine)
 
 
+def test_a_stream_whose_delta_breaks_fails_alone_at_once(engine, alone, monkeypatch):
+    """A streamed generation whose delta cannot be built (its log-probs, broken after the
+    checks) fails in that step, not when its 200 tokens are done; the others go on."""
+    from hetero_jax.serving.drive import Drive
+
+    break_request(engine, monkeypatch, 0, logprobs=2.5)
+    long = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
+    bad = engine.prepare([GenerateRequest(PROMPTS[0], long)])[0]
+    monkeypatch.undo()
+    good = engine.prepare([GenerateRequest(p, GREEDY) for p in PROMPTS[1:]])
+    drive = Drive(engine)
+    assert drive.queue([("bad", bad)] + list(zip("xy", good)), stream=True) == []
+    steps, done, deltas = engine.stats.steps, {}, {"x": [], "y": []}
+    while len(drive):
+        step_deltas, finished = drive.step_with_deltas()
+        done.update(finished)
+        for tag, d in step_deltas:
+            deltas[tag] += d.token_ids
+    assert done["bad"].output.finish_reason == "error" and "TypeError" in done["bad"].output.error
+    assert engine.stats.steps - steps < 20, "the broken stream ran on"
+    assert [done[t].output.token_ids for t in "xy"] == alone[1:]
+    assert all(deltas[t] == alone[i + 1][:len(deltas[t])] for i, t in enumerate("xy"))
+    assert_clean(engine)
+
+
 def test_an_error_of_no_single_request_fails_all_and_the_front_keeps_serving(engine, alone,
                                                                             monkeypatch):
     def lost(*args):

@@ -80,7 +80,7 @@ def private_uses(path: pathlib.Path, name: str | None = None) -> list:
 
 
 def test_chain_counts_a_known_graph():
-    """The chain is counted in modules: engine -> input_processor is 2."""
+    """The chain is counted in modules: engine -> input_processor (or drive) is 2."""
     assert longest_chain("hetero_jax.serving.input_processor") == (
         "hetero_jax.serving.input_processor",)
     chain = longest_chain("hetero_jax.serving.engine")

@@ -135,6 +135,41 @@ def test_the_asyncio_front_serves_coroutines_and_cancels(replicas, one):
                                rtol=1e-5, atol=1e-6)
 
 
+def test_the_server_over_replicas_gives_what_one_engine_gives(replicas, one):
+    """`serve --engine-process` (and `--replicas N`): the OpenAI server on replica processes;
+    greedy tokens, plain and streamed, equal one engine's, embeddings to fp32 reduction order
+    (the steps hold other requests); its stats carry the replicas' step times."""
+    import openai
+
+    from hetero_jax.server.app import ServerConfig, build_app
+    from hetero_jax.server.cli import ServerThread
+
+    prompts = [[256, 5, 6, 7], [256, 40, 41]]
+    greedy = SamplingParams(max_tokens=6, temperature=0)
+    want = [w.token_ids for w in one.generate(prompts, greedy, use_tqdm=False)]
+    want_vec = one.embed([[1, 2, 3], [4, 5, 6, 7]], use_tqdm=False)
+    front = AsyncReplicas(replicas)
+    with ServerThread(build_app(front, ServerConfig(model="tiny"))) as srv:
+        oai = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0,
+                            timeout=120)
+        got = oai.completions.create(model="tiny", prompt=prompts, max_tokens=6,
+                                     temperature=0, extra_body={"return_token_ids": True})
+        streamed = {}
+        for chunk in oai.completions.create(model="tiny", prompt=prompts, max_tokens=6,
+                                            temperature=0, stream=True,
+                                            extra_body={"return_token_ids": True}):
+            for c in chunk.choices:
+                streamed.setdefault(c.index, []).extend(c.token_ids or [])
+        vecs = oai.embeddings.create(model="tiny", input=[[1, 2, 3], [4, 5, 6, 7]]).data
+    assert [c.token_ids for c in got.choices] == want
+    assert [streamed[i] for i in range(2)] == want
+    np.testing.assert_allclose([v.embedding for v in vecs], want_vec, rtol=1e-5, atol=1e-6)
+    assert replicas.in_flight == 0
+    stats = front.stats  # /metrics: the replicas' step times, none running or waiting now
+    assert sum(stats.steps.counts) > 0 and stats.steps.total_s > 0
+    assert not any(stats.running.values()) and not any(stats.waiting.values())
+
+
 def test_replica_streams_send_a_delta_per_step_that_joins_to_the_output(replicas, one):
     """A streamed generation's worker sends one delta per step that gave it a token and did
     not end it (`collect` hands each on); through the front, the deltas' ids, text and

@@ -120,22 +120,25 @@ async def run_trace(trace: list, sender) -> list:
 
 
 class HttpSender:
-    """Requests over HTTP to one server (httpx, one connection per request in flight, a new
-    pool per `open`, so no round reuses a connection the server has since closed). A request
-    that fails, in HTTP or in the stream, is a Record with its error."""
+    """Requests over HTTP to one server (aiohttp, as vLLM's serving benchmark uses: on this
+    host it spends half httpx's CPU on a streamed request, 4.6 against 9.7 ms for 16 tokens,
+    CPU the server's steps would otherwise share; a connection per request in flight, a new
+    session per `open`, so no round reuses a connection the server has since closed). A
+    request that fails, in HTTP or in the stream, is a Record with its error."""
 
     def __init__(self, url: str, key: str | None, output_len: int, stream: bool = True):
         self.url, self.key = url, key
         self.output_len, self.model, self.stream = output_len, None, stream
 
     async def open(self) -> None:
-        import httpx
+        import aiohttp
 
         headers = {"Authorization": f"Bearer {self.key}"} if self.key else {}
-        self.http = httpx.AsyncClient(base_url=self.url, headers=headers, timeout=None,
-                                      limits=httpx.Limits(max_connections=None,
-                                                          max_keepalive_connections=1000))
-        self.model = (await self.http.get("/v1/models")).json()["data"][0]["id"]
+        self.http = aiohttp.ClientSession(
+            base_url=self.url, headers=headers, timeout=aiohttp.ClientTimeout(total=None),
+            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=5))
+        async with self.http.get("/v1/models") as r:
+            self.model = (await r.json())["data"][0]["id"]
 
     async def embed(self, ids: list) -> Record:
         return await _caught(self._embed(ids), "embed")
@@ -145,8 +148,10 @@ class HttpSender:
 
     async def _embed(self, ids: list) -> Record:
         t0 = time.perf_counter()
-        r = await self.http.post("/v1/embeddings", json={"model": self.model, "input": ids})
-        error = None if r.status_code == 200 else f"{r.status_code} {r.text[:200]}"
+        async with self.http.post("/v1/embeddings",
+                                  json={"model": self.model, "input": ids}) as r:
+            body = await r.read()
+        error = None if r.status == 200 else f"{r.status} {body[:200]!r}"
         return Record("embed", t0, time.perf_counter(), error=error)
 
     async def _generate(self, ids: list) -> Record:
@@ -154,43 +159,47 @@ class HttpSender:
                 "temperature": 0, "ignore_eos": True, "stream": self.stream,
                 "return_token_ids": True}
         rec = Record("generate", time.perf_counter(), 0.0)
-        if not self.stream:
-            r = await self.http.post("/v1/completions", json=body)
-            rec.end = rec.first = time.perf_counter()
-            if r.status_code != 200:
-                rec.error = f"{r.status_code} {r.text[:200]}"
+        async with self.http.post("/v1/completions", json=body) as r:
+            if r.status != 200:
+                rec.error = f"{r.status} {(await r.read())[:200]!r}"
+            elif not self.stream:
+                choices = (await r.json())["choices"]
+                rec.first = time.perf_counter()
+                rec.tokens = sum(len(c["token_ids"]) for c in choices)
             else:
-                rec.tokens = sum(len(c["token_ids"]) for c in r.json()["choices"])
-            return rec
-        async with self.http.stream("POST", "/v1/completions", json=body) as r:
-            if r.status_code != 200:
-                rec.error = f"{r.status_code} {(await r.aread())[:200]!r}"
-            async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if "error" in chunk:
-                    rec.error = chunk["error"]["message"]
-                    break
-                n = sum(len(c.get("token_ids") or []) for c in chunk["choices"])
-                if n and rec.first is None:
-                    rec.first = time.perf_counter()
-                rec.tokens += n
+                await _read_stream(r.content, rec)
         rec.end = time.perf_counter()
         return rec
 
     async def close(self) -> None:
-        await self.http.aclose()
+        await self.http.close()
+
+
+async def _read_stream(lines, rec: Record) -> None:
+    """Server-sent events of a streamed completion -> `rec`'s tokens, first-token time and
+    the error a chunk reports."""
+    async for raw in lines:
+        line = raw.rstrip(b"\r\n")
+        if not line.startswith(b"data: ") or line == b"data: [DONE]":
+            continue
+        chunk = json.loads(line[6:])
+        if "error" in chunk:
+            rec.error = chunk["error"]["message"]
+            return
+        n = sum(len(c.get("token_ids") or []) for c in chunk["choices"])
+        if n and rec.first is None:
+            rec.first = time.perf_counter()
+        rec.tokens += n
 
 
 async def _caught(call, kind: str) -> Record:
     """`call`'s Record, or one with the transport error that stopped it."""
-    import httpx
+    import aiohttp
 
     t0 = time.perf_counter()
     try:
         return await call
-    except httpx.HTTPError as e:
+    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
         return Record(kind, t0, time.perf_counter(), error=f"{type(e).__name__}: {e}")
 
 

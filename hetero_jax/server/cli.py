@@ -5,9 +5,9 @@
 
 In: argv. Every flag is checked (argparse, exit status 2) before jax is imported, so `--help`
 and a bad flag answer at once. Then `build_client` makes the engine (one `Engine` behind an
-`AsyncEngine`, or with `--replicas N` a `ReplicaSet` behind an `AsyncReplicas`), warms it up
-(every step variant compiled before the first request), and uvicorn serves `app.build_app`
-on it until Ctrl-C. `ServerThread` runs the same app on a loopback port in a thread, for the
+`AsyncEngine`, or with `--replicas N` or `--engine-process` a `ReplicaSet` behind an
+`AsyncReplicas`), warms it up (every step variant compiled before the first request), and
+uvicorn serves `app.build_app` on it until Ctrl-C. `ServerThread` runs the same app on a loopback port in a thread, for the
 tests and the online benchmark.
 """
 from __future__ import annotations
@@ -69,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
                    metavar="N", help="larger request bodies get 413")
     p.add_argument("--replicas", type=ints["replicas"], default=1,
                    help="engines in their own processes, one CPU core each, behind a router")
+    p.add_argument("--engine-process", action="store_true",
+                   help="step the engine in a process of its own (a replica set of one), "
+                   "not in a thread of the server's")
     p.add_argument("--tensor-parallel", type=ints["tensor_parallel"], default=1, metavar="N",
                    help="split the decoder over N devices (per replica)")
     p.add_argument("--scheduler", default="ibs", choices=list(POLICIES),
@@ -101,13 +104,15 @@ def build_client(args):
     from hetero_jax.serving.async_engine import AsyncEngine
     from hetero_jax.serving.async_replicas import AsyncReplicas
     from hetero_jax.serving.engine import Engine
+    from hetero_jax.serving.processes import ModelSource
     from hetero_jax.serving.replicas import ReplicaSet
 
     cfg = engine_config(args)
-    if args.replicas > 1:
+    if args.replicas > 1 or args.engine_process:
         replicas = (ReplicaSet.from_pretrained(args.model, args.replicas, cfg, args.embed_model,
                                                args.embed_adapter) if args.model else
-                    ReplicaSet.from_preset(args.preset, args.replicas, args.seed, cfg))
+                    ReplicaSet(ModelSource(preset=args.preset, seed=args.seed,
+                                           embed_model=args.embed_model), args.replicas, cfg))
         client = AsyncReplicas(replicas)
         engine = replicas
     else:

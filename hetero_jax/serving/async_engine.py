@@ -5,10 +5,12 @@
 iteration (or `await`) validates the request in the caller's coroutine (`Engine.prepare`: a
 bad one raises `RequestError` there and nowhere else) and hands it to the `stepper.Stepper`
 thread, and then it yields a `GenerateDelta` for every step that gave the request a token,
-the last one finished (deltas that queued up while the caller was busy come joined, as one). `await engine.embed(x, params)` -> `EmbeddingOutput`. The stepper
-thread queues new requests and aborts between steps, steps, and builds each step's deltas
-from the host-side requests (no extra device read); the front hands them to the event loop
-in one `call_soon_threadsafe` per step, so stepping never waits for a loop busy with HTTP or
+the last one finished (deltas that queued up while the caller was busy come joined, as one).
+`await engine.embed(x, params)` -> `EmbeddingOutput`. The stepper thread runs the one
+`drive.Drive` loop: it queues new requests and aborts between steps, steps, and builds each
+step's deltas from the host-side requests (no extra device read); `front.Flights` turns them
+into events as it does a replica set's, and the front hands them to the event loop in one
+`call_soon_threadsafe` per step, so stepping never waits for a loop busy with HTTP or
 retrieval. Leaving a stream early, cancelling a coroutine or `abort(request_id)` aborts its
 request and frees its pages. A request the engine fails alone raises `RequestFailed` in its
 own coroutine; an error that belongs to no request fails every one in flight; nothing is left
@@ -18,8 +20,10 @@ requests are in flight.
 """
 from __future__ import annotations
 
+import threading
+
 from hetero_jax.serving.client import FrontStats, StepTimes
-from hetero_jax.serving.front import Front
+from hetero_jax.serving.front import Flights, Front, failed_events
 from hetero_jax.serving.stepper import Stepper
 
 
@@ -29,6 +33,8 @@ class EngineCore:
     def __init__(self, engine):
         self.engine = engine
         self._deliver = None
+        self._flights = Flights()  # by engine id, until delivered
+        self._lock = threading.Lock()  # a request is in `_flights` before the stepper has it
         self._stepper: Stepper | None = None  # started by the first request
 
     @property
@@ -47,12 +53,16 @@ class EngineCore:
         caller's id: the engine's when it named none)."""
         (req,) = self.engine.prepare([request])
         rid = req.request_id if request_id is None else request_id
-        if self._stepper is None:
-            self._stepper = Stepper(self.engine, self._deliver)
-        self._stepper.add(req, rid)
+        with self._lock:
+            self._flights.add(req.request_id, req.kind, rid)
+            if self._stepper is None:
+                self._stepper = Stepper(self.engine, self._report)
+        self._stepper.add(req.request_id, req)
         return req.request_id, rid
 
     def abort(self, engine_id) -> None:
+        with self._lock:
+            self._flights.pop(engine_id)
         self._stepper.abort(engine_id)
 
     def stats(self) -> FrontStats:
@@ -67,6 +77,17 @@ class EngineCore:
         """End the stepping thread; abort what it held (blocks until its step ends)."""
         if self._stepper is not None:
             self._stepper.stop()
+
+    def _report(self, results: list, failure) -> None:
+        """The stepper's news (its thread) -> the front's events, in one delivery."""
+        with self._lock:
+            events = [e for e in (self._flights.event(*r) for r in results) if e]
+            if failure is not None:
+                for tag in failure[0]:
+                    self._flights.pop(tag)
+                events += failed_events(*failure)
+        if events:
+            self._deliver(events)
 
 
 class AsyncEngine(Front):

@@ -8,13 +8,15 @@ for the set's finished requests (`collect`, whose `RequestResult`s carry an outp
 `RequestError` with which the replica's checks refused the request) and delivers them: a
 request that failed running or whose replica died raises `RequestFailed` (the others go on).
 Generations are submitted with `stream=True`, so a `ReplicaSet`'s worker sends each step's
-delta (built there from the host-side request, as `stepper.Stepper` does) and the collector
-hands it on as an `"out"` event, renamed with the caller's id; the finished output's last
-delta is what it holds beyond the ids and text already sent. (`RayReplicaSet` reports a
-request when it ends: its stream has one delta, the finished one.) Aborting a request aborts it on its replica. `stats` sums the replicas'
-counters; its `waiting` counts the requests in flight by kind (the replicas do not report
-their queues). `close()` fails and aborts every request still in flight; the replica
-processes stay up (close the set for that).
+delta (built there from the host-side request by the same `drive.Drive` loop as the
+in-process stepper's) and the collector hands it on as an `"out"` event, renamed with the
+caller's id (`front.Flights`); the finished output's last delta is what it holds beyond the
+ids and text already sent. (`RayReplicaSet` reports a request when it ends: its stream has
+one delta, the finished one.) Aborting a request aborts it on its replica. `stats` sums
+the replicas' counters; its step times and running requests are what the replicas last
+reported with a finished request (`RoutedReplicas.load`; a Ray set reports none), its
+`waiting` the others in flight, by kind. `close()` fails and aborts every request still in
+flight; the replica processes stay up (close the set for that).
 
 `DedicatedCore` serves a `DedicatedEngine`, whose only serving call is a batch `run()`: per
 worker (embedding, generation) one `run()` at a time in its own thread; requests that arrive
@@ -25,15 +27,13 @@ caller waiting, since a worker's batch runs whole. Imports no jax.
 from __future__ import annotations
 
 import collections
-import dataclasses
 import itertools
 import threading
 
-from hetero_jax.outputs import RequestFailed, sum_stats
+from hetero_jax.outputs import sum_stats
 from hetero_jax.requests import EmbedRequest
 from hetero_jax.serving.client import FrontStats, StepTimes
-from hetero_jax.serving.front import Front
-from hetero_jax.serving.output_processor import final_delta
+from hetero_jax.serving.front import Flights, Front, finished_event
 
 POLL_S = 0.2  # how long one collect waits, so a stopped core's thread ends soon
 EMBED, GEN = "embed", "generate"
@@ -43,32 +43,13 @@ def _kind(request) -> str:
     return EMBED if type(request) is EmbedRequest else GEN
 
 
-def finished_event(cid, kind: str, rid, out, num_sent: int = 0, sent: str = "") -> tuple:
-    """The event of a request a core learns of when it ends: its output (a generation's as
-    its final delta, beyond the `num_sent` ids and text `sent` already streamed), or
-    RequestFailed when the engine failed it."""
-    if out.finish_reason == "error":
-        return cid, "error", RequestFailed(rid, out.error)
-    return cid, "end", out if kind == EMBED else final_delta(out, num_sent, sent, rid)
-
-
-@dataclasses.dataclass
-class _Flight:
-    """A request on a replica: its kind, the caller's id, and what of it went out."""
-
-    kind: str
-    request_id: object
-    num_sent: int = 0
-    text: str = ""
-
-
 class ReplicaCore:
     """A `front.Front`'s core over a replica set (module docstring)."""
 
     def __init__(self, replicas):
         self.replicas = replicas
         self._deliver = None
-        self._flights: dict = {}  # tag -> _Flight, until delivered
+        self._flights = Flights()  # until delivered
         self._lock = threading.Lock()  # a tag is in `_flights` before the collector sees it
         self._wake = threading.Event()
         self._stopping = False
@@ -90,7 +71,7 @@ class ReplicaCore:
             kind = _kind(request)
             (tag,) = self.replicas.submit([request], stream=kind == GEN)  # raises here
             rid = tag if request_id is None else request_id
-            self._flights[tag] = _Flight(kind, rid)
+            self._flights.add(tag, kind, rid)
         if self._thread is None:
             self._thread = threading.Thread(target=self._collect, daemon=True,
                                             name="hetero-jax-collect")
@@ -99,14 +80,15 @@ class ReplicaCore:
         return tag, rid
 
     def abort(self, tag) -> None:
-        self._flights.pop(tag, None)
+        self._flights.pop(tag)
         self.replicas.abort([tag])
 
     def stats(self) -> FrontStats:
-        waiting: dict = {}
-        for flight in list(self._flights.values()):
-            waiting[flight.kind] = waiting.get(flight.kind, 0) + 1
-        return FrontStats(self.replicas.stats, waiting, {}, StepTimes())
+        """Running: as the replicas last reported; waiting: the rest of those in flight."""
+        steps, running = self.replicas.load
+        waiting = {kind: max(n - running.get(kind, 0), 0)
+                   for kind, n in self._flights.kinds().items()}
+        return FrontStats(self.replicas.stats, waiting, running, steps)
 
     def stop(self) -> None:
         """End the collector thread; abort every request still in flight."""
@@ -114,8 +96,8 @@ class ReplicaCore:
         self._wake.set()
         if self._thread is not None:
             self._thread.join()
-        self.replicas.abort(list(self._flights))
-        self._flights.clear()
+        self.replicas.abort(self._flights.tags())
+        self._flights = Flights()
 
     def _collect(self) -> None:
         while not self._stopping:
@@ -125,24 +107,9 @@ class ReplicaCore:
                 continue
             results = self.replicas.collect(POLL_S)
             with self._lock:
-                events = [e for e in (self._event(*r) for r in results) if e is not None]
+                events = [e for e in (self._flights.event(*r) for r in results) if e]
             if events:
                 self._deliver(events)
-
-    def _event(self, tag, result):
-        """A collected (tag, RequestResult) -> its event, or None for an aborted request."""
-        flight = self._flights.get(tag) if result.delta is not None else \
-            self._flights.pop(tag, None)
-        if flight is None:
-            return None
-        if result.delta is not None:  # a step of a stream that goes on
-            flight.num_sent += len(result.delta.token_ids)
-            flight.text += result.delta.text
-            return tag, "out", dataclasses.replace(result.delta, request_id=flight.request_id)
-        if result.error is not None:  # the replica's checks refused it
-            return tag, "error", result.error
-        return finished_event(tag, flight.kind, flight.request_id, result.output,
-                              flight.num_sent, flight.text)
 
 
 class AsyncReplicas(Front):

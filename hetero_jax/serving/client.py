@@ -83,6 +83,15 @@ class StepTimes:
         self.counts[bisect.bisect_left(STEP_BUCKETS, seconds)] += 1
         self.total_s += seconds
 
+    @classmethod
+    def merged(cls, parts) -> "StepTimes":
+        """One histogram of several (the replicas')."""
+        out = cls()
+        for part in parts:
+            out.counts = [a + b for a, b in zip(out.counts, part.counts)]
+            out.total_s += part.total_s
+        return out
+
 
 @dataclasses.dataclass
 class FrontStats:

@@ -7,7 +7,8 @@ raises before anything is queued), the host `sched.Scheduler` queues it and deci
 step, `runner.DecoderRunner` (and a separate encoder's `runner.EncoderRunner`) run the
 step's plain-data items on the device, `Scheduler.advance`/`settle` move the requests on, and
 `output_processor` formats the finished ones. Generation and embedding requests share the
-same steps (`run`); `add`/`step`/`abort`/`output` expose the loop to `AsyncEngine`. Each
+same steps (`run`, which steps through a `drive.Drive` as every caller does);
+`prepare`/`enqueue`/`step`/`abort`/`output` are what a `Drive` calls. Each
 `step` returns a `StepOutput`: the requests it finished and those it gave a token and that go
 on, so a front streams per-step deltas from host state the step already copied back. With
 `EngineConfig.async_scheduling` the next step is scheduled and dispatched before a step's
@@ -46,8 +47,10 @@ from hetero_jax.sched import Scheduler
 from hetero_jax.sched.hashing import chain_seed
 from hetero_jax.serving import checkpoint
 from hetero_jax.serving.batch_api import BatchAPI
+from hetero_jax.serving.drive import Drive
 from hetero_jax.serving.encoder import SeparateEncoder
 from hetero_jax.serving.input_processor import EmbeddingModel, InputProcessor, expand_samples
+from hetero_jax.serving.output_processor import delta as make_delta
 from hetero_jax.serving.output_processor import error_output, make_output
 from hetero_jax.serving.overlap import StepOutput, StepPipeline
 from hetero_jax.warn import warn
@@ -191,22 +194,26 @@ class Engine(BatchAPI):
             if self.scheduler.has_work():
                 raise RuntimeError("the engine is serving other requests (an AsyncEngine's, or "
                                    "a step-wise caller's): use that front, or wait for them")
-            reqs = self.add(expand_samples(requests))
+            reqs = self.prepare(expand_samples(requests))  # all checked before any is queued
+            drive = Drive(self)
+            refused = drive.queue(enumerate(reqs))
             bar = tqdm(total=len(reqs), desc="requests", unit="req", disable=not use_tqdm)
             clock = BarClock(bar, lambda: self.stats.compile_s, time.perf_counter)
-            tokens0 = self.stats.generated_tokens
+            tokens0, results = self.stats.generated_tokens, {}
             try:
-                while self.has_work():
-                    clock.update(len(self.step().finished))  # compiling left out of its times
+                for index, result in refused[:1]:  # the scheduler's own limits
+                    raise result.error.at(index)
+                for finished in drive.steps():
+                    clock.update(len(finished))  # compiling left out of its times
+                    results.update(finished)
                     rate = (self.stats.generated_tokens - tokens0) / max(clock.serving_s(), 1e-9)
                     bar.set_postfix(tok_s=f"{rate:.1f}", refresh=False)
             finally:
                 bar.close()
-                for req in reqs:
-                    self.abort(req.request_id)  # no-op for finished ones
-            return [self.output(req) for req in reqs]
+                drive.abort_all()  # what a raising step left in flight
+            return [results[i].output for i in range(len(reqs))]
 
-    # -- step-wise interface (AsyncEngine drives it) -----------------------------------------
+    # -- step-wise interface (a `drive.Drive` calls it) ----------------------------------------
     def add(self, requests: list) -> list:
         """Validate every request, then queue them all; returns their `Request` handles.
 
@@ -259,6 +266,14 @@ class Engine(BatchAPI):
         with self._lock:
             self.scheduler.abort(request_id)
 
+    def fail(self, request_id, error: Exception) -> None:
+        """Fail one request alone between steps (pages and slot freed; its output has `error`)."""
+        with self._lock:
+            req = self.scheduler.requests.get(request_id)
+            if req is not None:
+                self.scheduler.abort(request_id)
+                req.finish_reason, req.error, req.finish_time = "error", error, time.perf_counter()
+
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix. Safe while requests run: their pages stay theirs, later
         requests just no longer find them (caching resumes with the next page computed)."""
@@ -274,6 +289,10 @@ class Engine(BatchAPI):
             except Exception as e:  # noqa: BLE001 - this request's data: fail it alone
                 req.error = e
         return error_output(req)
+
+    def delta(self, req, num_sent: int, read: int, request_id) -> tuple:
+        """`output_processor.delta`: a running generation's new ids since `num_sent`."""
+        return make_delta(req, num_sent, read, self.tokenizer, request_id)
 
     @property
     def worker_stats(self) -> dict:

@@ -13,8 +13,10 @@ a loop busy with HTTP or retrieval, and routes them to the request's queue.
 
 Cores: `async_engine.EngineCore` (one `Engine` in this process, stepped by a
 `stepper.Stepper`: a delta per step), `async_replicas.ReplicaCore` (a `ReplicaSet`: a
-delta per step, sent by its workers; a `RayReplicaSet`: one delta, the finished one) and `async_replicas.DedicatedCore` (a
-`DedicatedEngine`: one batch per worker at a time). Leaving a stream early, cancelling a
+delta per step, sent by its workers; a `RayReplicaSet`: one delta, the finished one) and
+`async_replicas.DedicatedCore` (a `DedicatedEngine`: one batch per worker at a time). The
+first two keep their requests in a `Flights`, which turns each (tag, `RequestResult`) that
+comes back into its event, so both stream alike. Leaving a stream early, cancelling a
 coroutine or `abort(request_id)` aborts its request; `close()` stops the core and fails every
 request still in flight with `RequestFailed`. A front serves one event loop (another loop
 gets a RuntimeError while the first is open or requests are in flight).
@@ -22,11 +24,72 @@ gets a RuntimeError while the first is open or requests are in flight).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 from hetero_jax.outputs import EmbeddingOutput, RequestFailed
 from hetero_jax.requests import EmbedRequest, GenerateRequest, PoolingParams, SamplingParams
 from hetero_jax.serving.client import FrontStats, GenerateStream, admitted
-from hetero_jax.serving.output_processor import merge_deltas
+from hetero_jax.serving.output_processor import final_delta, merge_deltas
+
+
+class Flights:
+    """A core's requests in flight by their tag: each one's kind ("embed", "generate"), the
+    caller's id and what of it went out. `event` turns what a drive or a replica set hands
+    back about a request, a (tag, `RequestResult`), into its event for the front; a finished
+    generation's last delta holds what its output has beyond the ids and text streamed."""
+
+    def __init__(self):
+        self._by_tag: dict = {}  # tag -> [kind, the caller's id, ids sent, text sent]
+
+    def __len__(self) -> int:
+        return len(self._by_tag)
+
+    def add(self, tag, kind: str, request_id) -> None:
+        self._by_tag[tag] = [kind, request_id, 0, ""]
+
+    def pop(self, tag) -> None:
+        self._by_tag.pop(tag, None)
+
+    def tags(self) -> list:
+        return list(self._by_tag)
+
+    def kinds(self) -> dict:
+        """kind -> requests in flight."""
+        out: dict = {}
+        for kind, *_ in list(self._by_tag.values()):
+            out[kind] = out.get(kind, 0) + 1
+        return out
+
+    def event(self, tag, result):
+        """(tag, RequestResult) -> its event, or None for a request no longer in flight."""
+        flight = self._by_tag.get(tag) if result.delta is not None else \
+            self._by_tag.pop(tag, None)
+        if flight is None:
+            return None
+        kind, rid, num_sent, sent = flight
+        if result.delta is not None:  # a step of a stream that goes on
+            flight[2:] = num_sent + len(result.delta.token_ids), sent + result.delta.text
+            return tag, "out", dataclasses.replace(result.delta, request_id=rid)
+        if result.error is not None:  # the checks refused it
+            return tag, "error", result.error
+        return finished_event(tag, kind, rid, result.output, num_sent, sent)
+
+
+def finished_event(cid, kind: str, rid, out, num_sent: int = 0, sent: str = "") -> tuple:
+    """The event of a finished request: its output (a generation's as its final delta,
+    beyond the `num_sent` ids and text `sent` already streamed), or RequestFailed when the
+    engine failed it."""
+    if out.finish_reason == "error":
+        return cid, "error", RequestFailed(rid, out.error)
+    return cid, "end", out if kind == "embed" else final_delta(out, num_sent, sent, rid)
+
+
+def failed_events(tags, error: Exception) -> list:
+    """The events of the requests `tags` when an error that belongs to none of them (a step
+    that raised) ended them all: one RequestFailed, caused by `error`."""
+    failure = RequestFailed(None, str(error))
+    failure.__cause__ = error
+    return [(tag, "error", failure) for tag in tags]
 
 
 class _Flow:

@@ -112,8 +112,8 @@ class EngineActor:
         drive = Drive(self.engine)
         results = drive.admit(items)
         try:
-            while len(drive):
-                results += drive.step()
+            for finished in drive.steps():
+                results += finished
         except Exception as e:  # noqa: BLE001 - no request to blame: fail this call's own
             why = f"a replica failed a step: {type(e).__name__}: {e}"
             return results, (drive.abort_all(), why), self.engine.stats

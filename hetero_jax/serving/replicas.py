@@ -16,7 +16,7 @@ submitted with `stream=True`), `("abort", [tag])`, `("warmup", None)`, `("close"
 worker steps while it has work and reads the pipe between steps; after each step it sends
 `("deltas", [(tag, GenerateDelta)])` for the streamed generations that step gave tokens (which
 `collect` hands on as `RequestResult(delta=...)`), then `("done", ([(tag, RequestResult)],
-stats))` for the requests that finished, and at once the `RequestError`s of those its checks
+stats, load))` for the requests that finished, and at once the `RequestError`s of those its checks
 refused. A step
 that fails with no request to blame sends `("failed", (tags, reason))`: every request of that
 replica fails (`finish_reason="error"`), and the replica goes on serving. One reader thread
@@ -177,7 +177,9 @@ class ReplicaSet(RoutedReplicas):
                 if kind == "dead":
                     out += self._dead(index, payload)
                 elif kind == "done":
-                    results, self.replica_stats[index] = payload
+                    results, self.replica_stats[index], load = payload
+                    if load is not None:  # None: a refusal, sent between steps
+                        self.replica_load[index] = load
                     out += [x for x in (self._finish(*r) for r in results) if x is not None]
                 elif kind == "deltas":
                     out += [(tag, RequestResult(delta=d)) for tag, d in payload

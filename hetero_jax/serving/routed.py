@@ -22,6 +22,7 @@ import time
 
 from hetero_jax.outputs import EngineStats, RequestError, RequestResult, sum_stats
 from hetero_jax.serving.batch_api import BatchAPI
+from hetero_jax.serving.client import StepTimes
 from hetero_jax.serving.input_processor import check_request_type, expand_samples
 from hetero_jax.serving.output_processor import renumbered
 from hetero_jax.serving.placement import Placement, error_output
@@ -45,6 +46,8 @@ class RoutedReplicas(BatchAPI):
         self.router, self.tokenizer = self.placement.router, self.placement.tokenizer
         self.alive = [True] * num_replicas
         self.replica_stats = [EngineStats() for _ in range(num_replicas)]
+        # per replica (its steps' StepTimes, its running requests by kind), as it last said
+        self.replica_load = [(StepTimes(), {}) for _ in range(num_replicas)]
         self._flights: dict = {}  # tag -> Flight, for the requests in flight
         self._tags = itertools.count()
         self._lock = threading.Lock()
@@ -78,6 +81,16 @@ class RoutedReplicas(BatchAPI):
     def stats(self) -> EngineStats:
         """Every replica's `EngineStats`, its counts summed (per replica: `replica_stats`)."""
         return sum_stats(self.replica_stats)
+
+    @property
+    def load(self) -> tuple:
+        """(the replicas' step times as one `StepTimes`, their running requests by kind), as
+        they last reported them (a transport that does not: empty)."""
+        running: dict = {}
+        for _, counts in self.replica_load:
+            for kind, n in counts.items():
+                running[kind] = running.get(kind, 0) + n
+        return StepTimes.merged(steps for steps, _ in self.replica_load), running
 
     @property
     def worker_stats(self) -> dict:
