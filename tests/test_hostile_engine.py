@@ -231,7 +231,10 @@ def test_engine_config_checks_types_and_relations(fields, message):
 def test_defaults_follow_the_knobs_they_depend_on():
     cfg = EngineConfig(token_budget=16, max_num_seqs=2)
     assert (cfg.chunk_size, cfg.max_chunk_seqs) == (16, 2)
-    assert (EngineConfig().chunk_size, EngineConfig().max_chunk_seqs) == (64, 4)
+    # no budget given: the engine sizes it from the cost model it knows, at resolve (256 and a
+    # chunk of 64 where it knows none)
+    resolved = EngineConfig().resolve(model_max_len=512, kv_bytes_per_token=64)
+    assert (resolved.token_budget, resolved.chunk_size, resolved.max_chunk_seqs) == (256, 64, 4)
 
 
 def test_the_bench_refuses_what_engine_config_refuses(capsys):
