@@ -43,17 +43,23 @@ class Sample:
 
 
 def record_steps(engine: Engine, samples: list) -> None:
-    """Wrap the engine's runner so each step that did not compile appends a Sample."""
-    execute = engine.runner.execute
+    """Wrap the engine's runner so each step that did not compile appends a Sample (the
+    engine runs with async_scheduling off, so a step's pack, launch and collect come in turn
+    and its step_time is the device's alone)."""
+    pack, collect, packed = engine.runner.pack, engine.runner.collect, []
 
-    def timed(out: SchedulerOutput):
-        compiles = engine.runner.compiles
-        runner_out = execute(out)
+    def packing(out: SchedulerOutput):
+        packed[:] = [out, engine.runner.compiles]
+        return pack(out)
+
+    def timed(launched):
+        runner_out = collect(launched)
+        out, compiles = packed
         if engine.runner.compiles == compiles:
             samples.append(Sample(StepShape.from_output(out), runner_out.step_time))
         return runner_out
 
-    engine.runner.execute = timed
+    engine.runner.pack, engine.runner.collect = packing, timed
 
 
 def workloads(args) -> list:
@@ -172,7 +178,8 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     cfg = EngineConfig(token_budget=args.budget, chunk_size=args.chunk,
                        max_num_seqs=args.max_num_seqs, max_chunk_seqs=args.max_chunk_seqs,
-                       max_model_len=args.max_model_len, scheduler="fcfs", **args.buckets)
+                       max_model_len=args.max_model_len, scheduler="fcfs", async_scheduling=False,
+                       **args.buckets)
     engine = Engine.from_preset(args.preset, config=cfg)
     samples: list = []
     record_steps(engine, samples)
