@@ -271,8 +271,7 @@ class Engine(BatchAPI):
         with self._lock:
             req = self.scheduler.requests.get(request_id)
             if req is not None:
-                self.scheduler.abort(request_id)
-                req.finish_reason, req.error, req.finish_time = "error", error, time.perf_counter()
+                self.pipeline.fail(req, error)
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix. Safe while requests run: their pages stay theirs, later

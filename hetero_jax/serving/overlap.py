@@ -178,7 +178,7 @@ class StepPipeline:
         if not culprits:
             raise error
         live = self.scheduler.requests
-        return [self._fail(live[rid], e) for rid, e in culprits if rid in live]
+        return [self.fail(live[rid], e) for rid, e in culprits if rid in live]
 
     def _fail_non_finite(self, runner_out: RunnerOutput, ahead: Ahead) -> list:
         """Fail the requests whose sampled token (its log-probability) or embedding came back
@@ -187,12 +187,12 @@ class StepPipeline:
                if not np.isfinite(t.logprob)]
         bad += [(rid, "embedding") for rid, v in runner_out.embeddings.items()
                 if not np.isfinite(v).all()]
-        return [self._fail(ahead.request(rid), FloatingPointError(
+        return [self.fail(ahead.request(rid), FloatingPointError(
             f"the model's output for it is not finite (NaN or Inf in its {what}): the weights "
             "or its activations overflowed")) for rid, what in bad
             if ahead.request(rid) is not None]  # else aborted while its step ran
 
-    def _fail(self, req, error: Exception):
+    def fail(self, req, error: Exception):
         """Abort a request (its pages and slot freed, if it still holds them) as failed with
         `error`; -> its handle."""
         self.scheduler.abort(req.request_id)
