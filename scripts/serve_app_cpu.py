@@ -35,13 +35,13 @@ class Instant:
     tokenizer, max_model_len = Bytes(), 512
     stats = FrontStats(None, {}, {}, StepTimes())
 
-    def __init__(self, tokens: int):
-        self.tokens = tokens
+    def __init__(self, tokens: int, step_s: float = 0.0):
+        self.tokens, self.step_s = tokens, step_s  # deltas `step_s` apart (0: one loop turn)
 
     def generate(self, prompt, params=None, request_id=None) -> GenerateStream:
         async def deltas():
             for i in range(self.tokens - 1):
-                await asyncio.sleep(0)  # one step each: no two deltas joined
+                await asyncio.sleep(self.step_s)  # one step each: no two deltas joined
                 yield GenerateDelta(request_id, [i], "x", None, prompt_tokens=len(prompt))
             out = RequestOutput(0, prompt, list(range(self.tokens)), "x" * self.tokens,
                                 "length", None, {})

@@ -17,13 +17,11 @@ import asyncio
 import contextlib
 import dataclasses
 import hmac
-import json
-import time
 import uuid
 
 from fastapi import FastAPI, Request
 from starlette.exceptions import HTTPException
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from hetero_jax.outputs import RequestError
 from hetero_jax.requests import sample_seed
@@ -33,6 +31,8 @@ from hetero_jax.server.errors import ApiError, as_api_error, error_body
 from hetero_jax.server.generation import choice_pieces, merged
 from hetero_jax.server.metrics import Counters, prometheus_text
 from hetero_jax.server.protocol import ChatRequest, CompletionRequest, EmbeddingRequest
+from hetero_jax.server.render import Render, sse_event
+from hetero_jax.server.sse import SseResponse, Watch
 
 @dataclasses.dataclass(frozen=True)
 class ServerConfig:
@@ -71,7 +71,7 @@ def build_app(client, config: ServerConfig) -> FastAPI:
         return endpoint
 
     for path, method, model_cls, handler in _routes():
-        app.add_api_route(path, gated(model_cls, handler), methods=[method])
+        app.router.add_route(path, gated(model_cls, handler), methods=[method])
 
     @app.get("/health")
     async def health():
@@ -200,10 +200,9 @@ async def _generate(state, request, req, kind: str, rid: str, choices: list) -> 
     except BaseException:
         await pieces.aclose()
         raise
-    render = _Render(state, req, kind, rid, len(choices))
+    render = Render(state.client.tokenizer, state.config.model, req, kind, rid, len(choices))
     if req.stream:
-        return StreamingResponse(_events(state, render, first, pieces),
-                                 media_type="text/event-stream")
+        return SseResponse(_events(state, render, first, pieces))
     return JSONResponse(await _unless_disconnected(state, request,
                                                    render.whole(first, pieces)))
 
@@ -212,7 +211,7 @@ async def _unless_disconnected(state: _State, request: Request, awaitable):
     """`awaitable`'s result, awaited in this task (no task of its own: fewer loop hops before
     the first chunk); if the client goes away first, this task is cancelled and `awaitable`
     with it (its requests aborted)."""
-    watch = _Watch(request)
+    watch = Watch(request.receive)
     try:
         return await awaitable
     except asyncio.CancelledError:
@@ -223,131 +222,31 @@ async def _unless_disconnected(state: _State, request: Request, awaitable):
         watch.close()
 
 
-class _Watch:
-    """Cancels the task that made it if the client of `request` disconnects before `close()`.
-    The body has been read, so the next message the request receives is its disconnect: one
-    waiting task, no polling."""
-
-    def __init__(self, request: Request):
-        self.task, self.open, self.fired = asyncio.current_task(), True, False
-        self.gone = asyncio.ensure_future(_disconnect(request))
-        self.gone.add_done_callback(self._fire)
-
-    def _fire(self, gone) -> None:
-        if self.open and not gone.cancelled():
-            self.fired = True
-            self.task.cancel("the client disconnected")
-
-    def close(self) -> None:
-        self.open = False
-        self.gone.cancel()
-
-
-async def _disconnect(request: Request) -> None:
-    """Return when the client of `request` (its body read) disconnects."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
 async def _events(state: _State, render, first, pieces):
-    """The SSE body; leaving early (the client went away) closes every choice."""
-    finished = False
+    """The SSE body as `(bytes, more to come)`; leaving early (the client went away) closes
+    every choice. Once every choice has finished, its chunk waits for the end of `pieces`
+    (at once for one choice) and goes out with the usage chunk and `[DONE]`, as the last."""
+    finished, held = False, b""
     try:
         item = first
         while item is not None:
-            yield _sse(render.chunk(*item))
+            event = render.event(*item)
+            if render.all_finished():
+                held += event
+            else:
+                yield event, True
             item = await anext(pieces, None)
         if render.include_usage:
-            yield _sse(render.usage_chunk())
-        yield "data: [DONE]\n\n"
+            held += sse_event(render.usage_chunk())
         finished = True
+        yield held + b"data: [DONE]\n\n", False
     except Exception as e:  # noqa: BLE001 - after the 200: the error goes in the stream
-        yield _sse(error_body(as_api_error(e)))
         finished = True
+        yield held + sse_event(error_body(as_api_error(e))), False
     finally:
         if not finished:
             state.counters.disconnects += 1
         await pieces.aclose()
-
-
-def _sse(payload: dict) -> str:
-    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
-
-
-class _Render:
-    """Pieces -> OpenAI chunks or one whole body, counting usage as they pass."""
-
-    def __init__(self, state: _State, req, kind: str, rid: str, n_choices: int):
-        self.tokenizer, self.model = state.client.tokenizer, state.config.model
-        self.kind, self.rid, self.n = kind, rid, req.n
-        self.chat = kind == "chat.completion"
-        self.token_ids = req.return_token_ids
-        self.include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        self.prompt_tokens, self.completion_tokens = 0, 0
-        self.offsets = [0] * n_choices
-        self.started = [False] * n_choices
-
-    def _count(self, index: int, piece) -> None:
-        self.completion_tokens += len(piece.token_ids)
-        if piece.finish_reason is not None and index % self.n == 0:
-            self.prompt_tokens += piece.prompt_tokens  # each prompt once, not once per choice
-
-    def _logprobs(self, index: int, piece):
-        lps = fmt.with_ids(piece.logprobs, piece.token_ids)
-        if self.chat:
-            return fmt.chat_logprobs(self.tokenizer, lps)
-        out = fmt.completion_logprobs(self.tokenizer, lps, self.offsets[index])
-        self.offsets[index] += len(piece.text)
-        return out
-
-    def chunk(self, index: int, piece) -> dict:
-        self._count(index, piece)
-        choice = {"index": index, "logprobs": self._logprobs(index, piece),
-                  "finish_reason": piece.finish_reason}
-        if self.chat:
-            delta = {"content": piece.text}
-            if not self.started[index]:
-                delta, self.started[index] = {"role": "assistant", **delta}, True
-            choice["delta"] = delta
-        else:
-            choice["text"] = piece.text
-        if self.token_ids:
-            choice["token_ids"] = piece.token_ids
-        kind = "chat.completion.chunk" if self.chat else "text_completion"
-        return fmt.body(kind, self.rid, self.model, [choice], None)
-
-    def usage_chunk(self) -> dict:
-        kind = "chat.completion.chunk" if self.chat else "text_completion"
-        return fmt.body(kind, self.rid, self.model, [],
-                        fmt.usage(self.prompt_tokens, self.completion_tokens))
-
-    async def whole(self, first, pieces) -> dict:
-        texts, lps, reasons, ids = {}, {}, {}, {}
-        item = first
-        while item is not None:
-            index, piece = item
-            self._count(index, piece)
-            texts[index] = texts.get(index, "") + piece.text
-            ids[index] = ids.get(index, []) + piece.token_ids
-            if piece.logprobs is not None:
-                lps.setdefault(index, []).extend(fmt.with_ids(piece.logprobs, piece.token_ids))
-            reasons[index] = piece.finish_reason
-            item = await anext(pieces, None)
-        choices = []
-        for i in sorted(texts):
-            lp = lps.get(i)
-            if self.chat:
-                choices.append({"index": i, "message": {"role": "assistant",
-                                                        "content": texts[i]},
-                                "logprobs": fmt.chat_logprobs(self.tokenizer, lp),
-                                "finish_reason": reasons[i]})
-            else:
-                choices.append({"index": i, "text": texts[i], "finish_reason": reasons[i],
-                                "logprobs": fmt.completion_logprobs(self.tokenizer, lp, 0)})
-            if self.token_ids:
-                choices[-1]["token_ids"] = ids[i]
-        return fmt.body(self.kind, self.rid, self.model, choices,
-                        fmt.usage(self.prompt_tokens, self.completion_tokens))
 
 
 # -- embeddings ------------------------------------------------------------------------------

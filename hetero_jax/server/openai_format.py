@@ -8,7 +8,6 @@ Plain Python: imports no jax.
 from __future__ import annotations
 
 import base64
-import time
 
 import numpy as np
 
@@ -95,9 +94,11 @@ def with_ids(logprobs: list | None, token_ids: list) -> list | None:
     return None if logprobs is None else [dict(lp, id=t) for lp, t in zip(logprobs, token_ids)]
 
 
-def body(kind: str, request_id: str, model: str, choices: list, usage_: dict | None) -> dict:
-    """A whole response or one stream chunk: `kind` is its OpenAI `object`."""
-    out = {"id": request_id, "object": kind, "created": int(time.time()), "model": model,
+def body(kind: str, request_id: str, model: str, choices: list, usage_: dict | None,
+         created: int) -> dict:
+    """A whole response or one stream chunk: `kind` is its OpenAI `object`, `created` its
+    request's Unix time in seconds."""
+    out = {"id": request_id, "object": kind, "created": created, "model": model,
            "choices": choices}
     if usage_ is not None or kind.endswith("chunk") or kind == "text_completion":
         out["usage"] = usage_
