@@ -1,12 +1,9 @@
 """The online benchmark's pieces: the trace, open-loop sending, and the summary numbers."""
 import asyncio
-import json
 import math
-import random
 
 import pytest
 
-from hetero_jax.bench import online
 from hetero_jax.bench.online import build_parser, make_trace, run_trace
 from hetero_jax.bench.online_report import Record, summarize
 
@@ -80,35 +77,3 @@ def test_flags_are_checked():
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--schedulers", "ibs,nope"])
     assert trace_args(rate="inf").rate == math.inf
-
-
-class Arrivals:
-    """An aiohttp body whose bytes arrive in the given pieces (`iter_any`)."""
-
-    def __init__(self, pieces: list):
-        self.pieces = pieces
-
-    async def iter_any(self):
-        for piece in self.pieces:
-            yield piece
-
-
-@pytest.mark.parametrize("seed", range(6))
-def test_the_stream_reader_counts_tokens_however_the_bytes_arrive(seed):
-    """SSE events cut anywhere (inside a chunk, between its two newlines) give the tokens of
-    the whole body; an error chunk ends the read with its message."""
-    rng = random.Random(seed)
-    chunks = [{"choices": [{"index": 0, "text": "x\n\ny", "token_ids": [7] * rng.randint(0, 3)}]}
-              for _ in range(10)]
-    body = b"".join(b"data: %b\n\n" % json.dumps(c).encode() for c in chunks)
-    body += b"data: [DONE]\n\n"
-    cuts = sorted(rng.sample(range(1, len(body)), 12))
-    pieces = [body[a:b] for a, b in zip([0] + cuts, cuts + [len(body)])]
-    rec = Record("generate", 0.0, 0.0)
-    asyncio.run(online._read_stream(Arrivals(pieces), rec))
-    assert rec.tokens == sum(len(c["choices"][0]["token_ids"]) for c in chunks)
-    assert rec.error is None and (rec.first is not None) == (rec.tokens > 0)
-    failed = Record("generate", 0.0, 0.0)
-    error = b'data: {"error":{"message":"boom"}}\n\n'
-    asyncio.run(online._read_stream(Arrivals([body[:40], body[40:-14] + error]), failed))
-    assert failed.error == "boom"

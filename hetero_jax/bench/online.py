@@ -175,26 +175,21 @@ class HttpSender:
         await self.http.close()
 
 
-async def _read_stream(content, rec: Record) -> None:
+async def _read_stream(lines, rec: Record) -> None:
     """Server-sent events of a streamed completion -> `rec`'s tokens, first-token time and
-    the error a chunk reports. Reads the bytes as they come (`iter_any`, as vLLM's serving
-    benchmark does: one wake-up per arrival, not a line-reading hop per line) and parses each
-    whole event (`data: ...` then a blank line) when its end has come."""
-    rest = b""
-    async for data in content.iter_any():
-        *events, rest = (rest + data).split(b"\n\n")
-        for event in events:
-            event = event.strip()
-            if not event.startswith(b"data: ") or event == b"data: [DONE]":
-                continue
-            chunk = json.loads(event[6:])
-            if "error" in chunk:
-                rec.error = chunk["error"]["message"]
-                return
-            n = sum(len(c.get("token_ids") or []) for c in chunk["choices"])
-            if n and rec.first is None:
-                rec.first = time.perf_counter()
-            rec.tokens += n
+    the error a chunk reports."""
+    async for raw in lines:
+        line = raw.rstrip(b"\r\n")
+        if not line.startswith(b"data: ") or line == b"data: [DONE]":
+            continue
+        chunk = json.loads(line[6:])
+        if "error" in chunk:
+            rec.error = chunk["error"]["message"]
+            return
+        n = sum(len(c.get("token_ids") or []) for c in chunk["choices"])
+        if n and rec.first is None:
+            rec.first = time.perf_counter()
+        rec.tokens += n
 
 
 async def _caught(call, kind: str) -> Record:
