@@ -6,10 +6,12 @@ the client it was built with (`build_app(client, ServerConfig(...))`). A request
 `protocol` model (400), the model name (404), the queue bound (503 with Retry-After), then its
 handler. Any failure, there or in the handler, becomes its status and OpenAI error body in
 `errors.as_api_error`, the one place that maps them. A streamed answer is server-sent events
-(`data: {chunk}` ... `data: [DONE]`); its first piece is awaited before the status is sent, so
-a request the engine refuses still gets its 400. A client that disconnects aborts its
-requests: a stream's generator is cancelled by the server and closes its choices, and a plain
-request waits on its connection's disconnect message while it runs (`_unless_disconnected`).
+(`data: {chunk}` ... `data: [DONE]`, chunks from `render.Render`, sent by `sse.SseResponse`,
+the last event and `[DONE]` in one write); its first piece is awaited before the status is
+sent, so a request the engine refuses still gets its 400. A client that disconnects aborts
+its requests: a stream's task is cancelled by its `sse.Watch` and closes its choices, and a
+plain request waits on its connection's disconnect message while it runs
+(`_unless_disconnected`).
 """
 from __future__ import annotations
 
