@@ -22,7 +22,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from hetero_jax.bench.online import HttpSender, _free_port  # noqa: E402
+from hetero_jax.bench.online import HttpSender  # noqa: E402
 from serve_overhead import cpu_s  # noqa: E402
 
 
@@ -58,7 +58,9 @@ async def measure(url: str, pid: int, args) -> list:
 
 
 def main(args) -> None:
-    port = _free_port()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
     child = subprocess.Popen([sys.executable, __file__, "--serve", str(port),
                               "--tokens", str(args.tokens), "--step-ms", str(args.step_ms)])
     try:
