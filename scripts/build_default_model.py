@@ -1,29 +1,27 @@
-"""Build a small trained preset: a byte-level Llama trained with optax on the corpus and
-questions about it, plus its LoRA embedding adapter (`hetero_jax.train`).
+"""Build the shipped `mini` preset: a byte-level Llama trained with optax on questions about
+the corpus, answered with a passage's first sentence, plus its LoRA embedding adapter.
 
-    PYTHONPATH=. python scripts/build_default_model.py --out DIR [--epochs 36]
+    PYTHONPATH=. python scripts/build_default_model.py --out DIR --epochs 100 --stop-after 81
+    PYTHONPATH=. python scripts/build_default_model.py --out DIR --epochs 140
 
-Not shipped (docs/results.md): on this shared 2-core CPU the language model reaches 1.50
-nats/byte in 36 epochs (40 min under load) and its greedy answers are word-like but not the
-corpus (" The Marres is a the inter stall ..."): it has not memorised the passages, and the
-loss was still falling; it needs many more steps than a CPU gives here. Its adapter does
-reach recall@5 0.837 on the held-out question phrasing.
+(the shipped weights: two phases, the second resuming the first's state in --work under a
+longer schedule; docs/results.md, "Issue 29 item 2, fourth try").
 
-In: data/corpus.jsonl (104 passages). Each epoch every passage becomes one document in the
-batch example's prompt format, "Passage: <text>\\nQuestion: <q>\\nAnswer: <its first
-sentence>" and EOS, with <q> one of `TRAIN_TEMPLATES` over the passage's title, drawn per
-(seed, epoch, passage). The batch example's own question, "What is <title> known for?"
-(`HELD_OUT`), is never trained on: neither the model nor the adapter sees it. The passages
-themselves are trained on (the model memorises them). The model (`MINI`, random init from
---seed) learns every token of the documents with next-token cross-entropy and AdamW
-(`train.lm`, dense causal attention), saving its state after each epoch in --work, so a
-killed run started again resumes. Then the embedding adapter is fitted on that frozen model
-over (question, passage) pairs of the train templates (`train.fit`).
+In: data/corpus.jsonl (104 passages). Each epoch every passage becomes `--per-passage`
+documents "Question: <q>\nAnswer: <its first sentence>" and EOS, with <q> one of
+`TRAIN_TEMPLATES` over the passage's title, drawn per (seed, epoch, passage), and
+`--passages` documents of its plain text. The answer's first bytes weigh `--answer-weight`
+in the loss. The batch example's phrasings are never trained on: its prompts ask `ASK`, its
+query rows `HELD_OUT`. The model (`presets.PRESETS["mini"]`, random init from --seed) learns
+next-token cross-entropy with AdamW (`train.lm`, dense causal attention, cosine schedule over
+--epochs), saving its state after each epoch in --work, so a killed run started again
+resumes. Then the embedding adapter is fitted on that frozen model over (question, passage)
+pairs of the train templates (`train.fit`).
 Out: a model directory in --out (config.json, model.safetensors in fp32, tokenizer_config.json
-naming the byte tokenizer) with adapter/ (PEFT) and build.json (the numbers below); printed:
-the greedy answers to a few held-out questions and recall@5 of the held-out questions over all
-passages before and after the adapter. Every seed is fixed, so a rerun on the same jax version
-and machine writes the same weights.
+naming the byte tokenizer) with adapter/ (PEFT); printed: the greedy answers to `ASK` for
+every passage and how many start as its first sentence, and recall@5 of the `HELD_OUT`
+questions over all passages before and after the adapter. Every seed is fixed, so a rerun on
+the same jax version and machine writes the same weights.
 """
 from __future__ import annotations
 
@@ -39,8 +37,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from hetero_jax.models import llama
-from hetero_jax.models.config import ModelConfig
 from hetero_jax.models.formats.hf_llama import export_hf_model
+from hetero_jax.models.presets import PRESETS
 from hetero_jax.models.tokenizer import BYTE_TOKENIZER_CLASS, ByteTokenizer
 from hetero_jax.train import data
 from hetero_jax.train.checkpoint import export_adapter
@@ -48,18 +46,16 @@ from hetero_jax.train.fit import FitOptions, fit_adapter, recall
 from hetero_jax.train.lm import LMConfig, dense_logits, init_lm_state, lm_batches, lm_step
 from hetero_jax.train.step import AdapterConfig, init_lora
 
+ANSWER_HEAD = 16
 CORPUS = os.path.join(os.path.dirname(__file__), "..", "data", "corpus.jsonl")
-# 1.9M parameters, 7.6 MB in fp32 (tied embeddings); 4 heads of 64: attention, whose cost
-# grows with heads x length^2, is most of a training step at these sizes
-MINI = ModelConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_layers=3,
-                   num_heads=4, num_kv_heads=2, head_dim=64, max_position_embeddings=2048,
-                   tie_word_embeddings=True, bos_token_id=ByteTokenizer.bos_token_id,
-                   eos_token_ids=(ByteTokenizer.eos_token_id,))
-PROMPT = "Passage: {text}\nQuestion: {question}\nAnswer:"
-HELD_OUT = "What is {title} known for?"  # the batch example's question: never trained on
+PROMPT = "Question: {question}\nAnswer:"
+HELD_OUT = "What is {title} known for?"  # the batch example's query rows: never trained on
+ASK = "What can you tell me about {title}?"  # the batch example's prompts: never trained on
+# every trained question ends with the title, as ASK does: the answer's first bytes then hang
+# on bytes a fixed distance back, which a 3-layer byte model learns to look up
 TRAIN_TEMPLATES = ("Tell me about {title}.", "What do you know about {title}?",
-                   "Describe {title}.", "Why is {title} notable?", "What is {title}?",
-                   "Give one fact about {title}.", "{title}?", "Explain {title} briefly.")
+                   "Describe {title}.", "What is {title}?", "Give one fact about {title}.",
+                   "{title}?", "Say something about {title}.", "Who or what is {title}?")
 
 
 def first_sentence(text: str) -> str:
@@ -68,24 +64,37 @@ def first_sentence(text: str) -> str:
 
 def qa_document(row: dict, template: str) -> str:
     """One training text: the passage, a question on its title, the answer (batch format)."""
-    question = template.format(title=row["title"])
-    return PROMPT.format(text=row["text"], question=question) + " " + first_sentence(row["text"])
+    return PROMPT.format(question=template.format(title=row["title"])) + " " + \
+        first_sentence(row["text"])
 
 
-def epoch_documents(corpus: list, seed: int, epoch: int) -> list:
-    """(token ids: BOS + bytes + EOS, weights: all 1) per passage, its template drawn by
-    (seed, epoch)."""
-    pick = np.random.default_rng([seed, epoch, 1]).integers(0, len(TRAIN_TEMPLATES), len(corpus))
-    tok = ByteTokenizer()
-    ids = [tok.encode(qa_document(r, TRAIN_TEMPLATES[t])) + [tok.eos_token_id]
-           for r, t in zip(corpus, pick)]
-    return [(x, [1.0] * len(x)) for x in ids]
+def epoch_documents(corpus: list, seed: int, epoch: int, per_passage: int,
+                    answer_weight: float, passages: int) -> list:
+    """(token ids: BOS + bytes + EOS, weights) `per_passage` times per passage, each with a
+    template drawn by (seed, epoch); the answer's first ANSWER_HEAD bytes weigh
+    `answer_weight` (where the model must look back), every other byte 1."""
+    rng = np.random.default_rng([seed, epoch, 1])
+    tok, out = ByteTokenizer(), []
+    for _ in range(per_passage):
+        for row, t in zip(corpus, rng.integers(0, len(TRAIN_TEMPLATES), len(corpus))):
+            text = qa_document(row, TRAIN_TEMPLATES[t])
+            ids = tok.encode(text) + [tok.eos_token_id]
+            start = len(tok.encode(text.rsplit("Answer:", 1)[0] + "Answer:"))  # ids index
+            weights = [1.0] * len(ids)
+            for j in range(start - 1, min(start - 1 + ANSWER_HEAD, len(ids))):
+                weights[j] = answer_weight  # predicting ids[j + 1], the answer's bytes
+            out.append((ids, weights))
+    for _ in range(passages):
+        out += [(ids, [1.0] * len(ids)) for ids in
+                (tok.encode(row["text"]) + [tok.eos_token_id] for row in corpus)]
+    return out
 
 
 def train_lm(cfg, corpus: list, args) -> dict:
     """The language model, resumed from --work/lm_state.msgpack when a run left one."""
-    per_epoch = len(lm_batches(epoch_documents(corpus, args.seed, 0), args.batch_size,
-                               args.seed, 0))
+    docs = lambda epoch: epoch_documents(corpus, args.seed, epoch, args.per_passage,
+                                         args.answer_weight, args.passages)
+    per_epoch = len(lm_batches(docs(0), args.batch_size, args.seed, 0))
     lc = LMConfig(learning_rate=args.lr, steps=args.epochs * per_epoch, warmup=20,
                   weight_decay=0.0)
     state, first = init_lm_state(llama.init_params(cfg, args.seed), lc), 0
@@ -95,9 +104,9 @@ def train_lm(cfg, corpus: list, args) -> dict:
             saved = flax.serialization.msgpack_restore(f.read())
         state, first = flax.serialization.from_state_dict(state, saved["state"]), saved["epoch"]
         print(f"resumed after epoch {first} from {path}")
-    for epoch in range(first, args.epochs):
+    for epoch in range(first, min(args.epochs, args.stop_after or args.epochs)):
         t, losses = time.perf_counter(), []
-        for tokens, mask in lm_batches(epoch_documents(corpus, args.seed, epoch),
+        for tokens, mask in lm_batches(docs(epoch),
                                        args.batch_size, args.seed, epoch):
             state, loss = lm_step(state, tokens, mask, cfg=cfg, lc=lc)
             losses.append(float(loss))
@@ -154,22 +163,38 @@ def main() -> None:
                     "hetero_jax/models/preset_weights/<name>, named in presets.SHIPPED)")
     ap.add_argument("--work", default="/tmp/build_default_model",
                     help="where the language model's state is saved after each epoch")
-    ap.add_argument("--epochs", type=int, default=36, help="passes over the 104 passages")
+    ap.add_argument("--epochs", type=int, default=140, help="passes over the 104 passages")
     ap.add_argument("--batch-size", type=int, default=8, help="documents per step")
     ap.add_argument("--lr", type=float, default=3e-3, help="AdamW peak learning rate")
     ap.add_argument("--adapter-steps", type=int, default=200, help="embedding adapter steps")
     ap.add_argument("--adapter-lr", type=float, default=3e-3, help="adapter learning rate")
     ap.add_argument("--adapter-rank", type=int, default=8, help="adapter LoRA rank")
+    ap.add_argument("--per-passage", type=int, default=4, help="documents per passage an epoch")
+    ap.add_argument("--answer-weight", type=float, default=4.0,
+                    help="loss weight of the answer's first bytes")
+    ap.add_argument("--passages", type=int, default=0,
+                    help="plain passage documents per passage an epoch")
+    ap.add_argument("--stop-after", type=int, default=None, metavar="EPOCH",
+                    help="stop after this epoch, the schedule still spanning --epochs (a "
+                    "later run resumes; build.json records the phases)")
     ap.add_argument("--seed", type=int, default=0, help="init and data order")
     args = ap.parse_args()
     os.makedirs(args.work, exist_ok=True)
-    start, cfg = time.perf_counter(), MINI
+    start, cfg = time.perf_counter(), PRESETS["mini"]
     corpus = data.read_jsonl(CORPUS)
     params = train_lm(cfg, corpus, args)
+    if args.stop_after is not None and args.stop_after < args.epochs:
+        print(f"stopped after epoch {args.stop_after} of {args.epochs}; run again to go on")
+        return
     lm_wall = time.perf_counter() - start
-    for row in corpus[:3]:
-        prompt = PROMPT.format(text=row["text"], question=HELD_OUT.format(title=row["title"]))
-        print(f"{row['title']!r} -> {greedy_answer(params, cfg, prompt)!r}", flush=True)
+    right = 0
+    for row in corpus:
+        prompt = PROMPT.format(question=ASK.format(title=row["title"]))
+        answer = greedy_answer(params, cfg, prompt)
+        right += answer.strip().startswith(first_sentence(row["text"])[:24])
+        print(f"{row['title']!r} -> {answer!r}", flush=True)
+    print(f"greedy answers to {ASK!r} starting as the passage's first sentence: "
+          f"{right}/{len(corpus)}", flush=True)
     export_hf_model(args.out, cfg, params)
     with open(os.path.join(args.out, "tokenizer_config.json"), "w") as f:
         json.dump({"tokenizer_class": BYTE_TOKENIZER_CLASS}, f)
