@@ -2,10 +2,13 @@
 the corpus, answered with a passage's first sentence, plus its LoRA embedding adapter.
 
     PYTHONPATH=. python scripts/build_default_model.py --out DIR --epochs 100 --stop-after 81
-    PYTHONPATH=. python scripts/build_default_model.py --out DIR --epochs 140
+    PYTHONPATH=. python scripts/build_default_model.py --out DIR --epochs 140 --stop-after 118
+    PYTHONPATH=. python scripts/build_default_model.py --out DIR --epochs 200
 
-(the shipped weights: two phases, the second resuming the first's state in --work under a
-longer schedule; docs/results.md, "Issue 29 item 2, fourth try").
+builds the shipped weights in three phases, each resuming the last one's state in --work
+under a longer schedule (the learning rate back up to ~0.4 of its peak), about 75 minutes
+on one core here, and the adapter about 30 more (docs/results.md, "Issue 29 item 2, fourth
+try").
 
 In: data/corpus.jsonl (104 passages). Each epoch every passage becomes `--per-passage`
 documents "Question: <q>\nAnswer: <its first sentence>" and EOS, with <q> one of
@@ -49,6 +52,10 @@ from hetero_jax.train.step import AdapterConfig, init_lora
 ANSWER_HEAD = 16
 CORPUS = os.path.join(os.path.dirname(__file__), "..", "data", "corpus.jsonl")
 PROMPT = "Question: {question}\nAnswer:"
+# chat turns in PROMPT's format, so Engine.chat and /v1/chat/completions ask as trained
+CHAT_TEMPLATE = ("{% for m in messages %}{% if m.role == 'user' %}Question: {{ m.content }}\n"
+                 "{% elif m.role == 'assistant' %}Answer: {{ m.content }}\n{% endif %}"
+                 "{% endfor %}{% if add_generation_prompt %}Answer:{% endif %}")
 HELD_OUT = "What is {title} known for?"  # the batch example's query rows: never trained on
 ASK = "What can you tell me about {title}?"  # the batch example's prompts: never trained on
 # every trained question ends with the title, as ASK does: the answer's first bytes then hang
@@ -163,10 +170,10 @@ def main() -> None:
                     "hetero_jax/models/preset_weights/<name>, named in presets.SHIPPED)")
     ap.add_argument("--work", default="/tmp/build_default_model",
                     help="where the language model's state is saved after each epoch")
-    ap.add_argument("--epochs", type=int, default=140, help="passes over the 104 passages")
+    ap.add_argument("--epochs", type=int, default=200, help="passes over the 104 passages")
     ap.add_argument("--batch-size", type=int, default=8, help="documents per step")
     ap.add_argument("--lr", type=float, default=3e-3, help="AdamW peak learning rate")
-    ap.add_argument("--adapter-steps", type=int, default=200, help="embedding adapter steps")
+    ap.add_argument("--adapter-steps", type=int, default=1000, help="embedding adapter steps")
     ap.add_argument("--adapter-lr", type=float, default=3e-3, help="adapter learning rate")
     ap.add_argument("--adapter-rank", type=int, default=8, help="adapter LoRA rank")
     ap.add_argument("--per-passage", type=int, default=4, help="documents per passage an epoch")
@@ -197,7 +204,7 @@ def main() -> None:
           f"{right}/{len(corpus)}", flush=True)
     export_hf_model(args.out, cfg, params)
     with open(os.path.join(args.out, "tokenizer_config.json"), "w") as f:
-        json.dump({"tokenizer_class": BYTE_TOKENIZER_CLASS}, f)
+        json.dump({"tokenizer_class": BYTE_TOKENIZER_CLASS, "chat_template": CHAT_TEMPLATE}, f)
     lora, info = fit_embedding_adapter(params, cfg, corpus, args)
     export_adapter(os.path.join(args.out, "adapter"), lora, cfg.num_layers, info, "mini")
     size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(args.out) for f in fs)

@@ -232,8 +232,8 @@ def batch_tp_cases(tmp_path) -> list:
     return [
         (["--tensor-parallel", "0"], "argument --tensor-parallel: 0 is outside [1, "),
         (["--tensor-parallel", "two"], "argument --tensor-parallel: 'two' is not an integer"),
-        (["--tensor-parallel", "3"],  # the tiny preset: 8 heads; named before the devices
-         "argument --tensor-parallel: tensor_parallel=3 does not divide num_heads=8"),
+        (["--tensor-parallel", "3"],  # the default mini preset: 4 heads; named before the devices
+         "argument --tensor-parallel: tensor_parallel=3 does not divide num_heads=4"),
         (["--tensor-parallel", "2"],
          "argument --tensor-parallel: --tensor-parallel 2 needs 2 devices; jax sees 1 cpu "
          "device(s)"),

@@ -3,10 +3,15 @@
 A preset named in `presets.SHIPPED` loads from its directory with its embedding adapter
 (tested on a directory made here: the tiny preset's weights, an adapter exported by
 `train.checkpoint.export_adapter`, the byte tokenizer named in tokenizer_config.json), and
-serves what `from_pretrained` on that directory serves. Hand-computed: `offline.recall` on a
-small OUTPUT.
+serves what `from_pretrained` on that directory serves. The shipped `mini` itself: greedy
+answers to the batch example's questions start as the right passage's first sentence (at
+least MIN_RIGHT of them), its adapter's recall@5 of the example's query rows is at least 0.8,
+its config is the preset's, and its chat template asks in the trained format. Hand-computed:
+`offline.recall` on a small OUTPUT.
 """
 import json
+import os
+import re
 
 import jax.numpy as jnp
 import numpy as np
@@ -15,9 +20,12 @@ import pytest
 from hetero_jax.models import llama, presets
 from hetero_jax.models.formats.hf_llama import export_hf_model
 from hetero_jax.models.tokenizer import BYTE_TOKENIZER_CLASS
-from hetero_jax.offline.recall import retrieval_recall
+from hetero_jax.offline.recall import recall_at_k, retrieval_recall
 from hetero_jax.train.checkpoint import export_adapter
 from hetero_jax.train.step import AdapterConfig, init_lora
+
+ROOT = os.path.join(os.path.dirname(__file__), "..")
+MIN_RIGHT = 0.7  # share of the example's questions answered from the right passage (26/32)
 
 
 @pytest.mark.slow  # 15 s: builds and loads a model directory
@@ -71,3 +79,64 @@ def test_generate_and_embed_commands_print_texts(capsys):
     assert main(["embed", "What is Mars known for?", "Mars is the fourth planet."]) == 0
     out = capsys.readouterr().out
     assert "cosine similarities:" in out and "(256 dims, L2-normalised)" in out, out
+
+
+def example_rows(prefix: str) -> list:
+    with open(os.path.join(ROOT, "data", "batch_example.jsonl"), encoding="utf-8") as f:
+        return [r for r in map(json.loads, f) if r["id"].startswith(prefix)]
+
+
+@pytest.fixture(scope="module")
+def mini():
+    from hetero_jax import Engine, EngineConfig
+
+    return Engine.from_preset("mini", config=EngineConfig(token_budget=256, chunk_size=64,
+                                                          max_num_seqs=32))
+
+
+def test_the_shipped_default_answers_the_example_from_the_corpus(mini):
+    """Greedy answers to the batch example's questions (a phrasing the model was not trained
+    on) start as the first sentence of the passage asked about."""
+    from hetero_jax import SamplingParams
+
+    corpus = {r["title"]: r["text"] for r in map(json.loads, open(
+        os.path.join(ROOT, "data", "corpus.jsonl"), encoding="utf-8"))}
+    rows = example_rows("question/")
+    titles = [re.search(r"about (.*)\?\nAnswer:$", r["prompt"]).group(1) for r in rows]
+    outs = mini.generate([r["prompt"] for r in rows], SamplingParams(max_tokens=32,
+                                                                     temperature=0.0),
+                         use_tqdm=False)
+    right = [o.text.strip().startswith(corpus[t][:24]) for o, t in zip(outs, titles)]
+    assert sum(right) >= MIN_RIGHT * len(rows), [o.text for o in outs]
+
+
+def test_the_shipped_adapter_finds_the_asked_passage(mini):
+    """recall@5 of the example's query rows (a phrasing held out of the adapter's training)
+    over every passage row, through the engine's embeddings: at least 0.8 (issue 29)."""
+    passages, queries = example_rows("passage/"), example_rows("query/")
+    keys = [r["id"].split("/", 1)[1] for r in passages]
+    pool = mini.embed([r["embed"] for r in passages], use_tqdm=False)
+    q = mini.embed([r["embed"] for r in queries], use_tqdm=False)
+    relevant = np.array([keys.index(r["id"].split("/", 1)[1]) for r in queries])
+    unit = lambda x: x / np.linalg.norm(x, axis=1, keepdims=True)
+    assert recall_at_k(unit(np.asarray(q)), unit(np.asarray(pool)), relevant, 5) >= 0.8
+
+
+def test_the_shipped_config_is_the_preset_s(mini):
+    assert mini.model_cfg == presets.PRESETS["mini"]
+
+
+def test_chat_on_the_shipped_default_asks_in_its_trained_format(mini):
+    """The shipped tokenizer_config.json's template turns a user message into "Question: ...
+    \\nAnswer:", for Engine.chat and for the server started on the preset."""
+    from hetero_jax import SamplingParams
+    from hetero_jax.server.cli import build_parser, server_config
+
+    params = SamplingParams(max_tokens=24, temperature=0.0)
+    chat = mini.chat([{"role": "user", "content": "What can you tell me about Mars?"}], params,
+                     use_tqdm=False)[0]
+    plain = mini.generate(["Question: What can you tell me about Mars?\nAnswer:"], params,
+                          use_tqdm=False)[0]
+    assert chat.token_ids == plain.token_ids
+    template = server_config(build_parser().parse_args([])).chat_template
+    assert template == mini.tokenizer.chat_template and "Question: " in template

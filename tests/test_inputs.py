@@ -41,7 +41,7 @@ def test_too_many_logprobs(engine):
 
 
 def test_unknown_preset():
-    with pytest.raises(ValueError, match="unknown preset 'huge'; available: tiny, small"):
+    with pytest.raises(ValueError, match="unknown preset 'huge'; available: mini, tiny, small"):
         Engine.from_preset("huge")
 
 

@@ -209,8 +209,8 @@ def test_chat_uses_the_tokenizer_template_as_transformers_renders_it(hf_pair):
      "id: hetero-jax fetches nothing at run time; download it first (huggingface-cli download "
      "sentence-transformers/all-MiniLM-L6-v2 --local-dir DIR) and pass DIR"),
     (lambda e: Engine.from_preset("org/name"), ValueError,
-     "unknown preset 'org/name'; available: tiny, small, llama-8b-shape. 'org/name' looks like a "
-     "Hugging Face Hub id: hetero-jax fetches nothing at run time; download it first "
+     "unknown preset 'org/name'; available: mini, tiny, small, llama-8b-shape. 'org/name' looks "
+     "like a Hugging Face Hub id: hetero-jax fetches nothing at run time; download it first "
      "(huggingface-cli download org/name --local-dir DIR) and pass DIR"),
     (lambda e: SamplingParams(stop=[""]), ValueError,
      "stop=[''] must be a string or a list of non-empty strings"),

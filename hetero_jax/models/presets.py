@@ -1,5 +1,9 @@
 """Embedded models with the byte-level tokenizer, no download.
 
+- `mini`: 1.9M parameters (7.6 MB in fp32), trained (`scripts/build_default_model.py`): it
+  answers "Question: ...about <title>...\nAnswer:" with a sentence of the bundled corpus
+  (`data/corpus.jsonl`), and its LoRA embedding adapter retrieves the passage a question asks
+  about. The default model of `batch`, `generate`, `embed` and `serve`.
 - `tiny`: 2.6M parameters, random weights from a seed, for tests.
 - `small`: 104.6M parameters (418 MB in fp32), random, so that decode is memory-bound on a
   CPU whose last-level cache is tens of MB.
@@ -8,8 +12,8 @@
   GPU benchmarks (`scripts/gpu_check.sh`): per layer it moves and computes what the 8B does.
 
 A preset named in `SHIPPED` is a trained model directory in `preset_weights/<name>` (with its
-LoRA embedding adapter in `adapter/`; `scripts/build_default_model.py` writes one); none is
-shipped yet: the build's model does not give readable answers within its CPU budget here.
+LoRA embedding adapter in `adapter/`); the others are random from a seed, for tests and
+benchmarks.
 """
 from __future__ import annotations
 
@@ -22,6 +26,11 @@ from hetero_jax.models.tokenizer import ByteTokenizer
 _VOCAB = 512  # ByteTokenizer ids fit; padded to a round size for the LM head.
 
 PRESETS = {
+    # 4 heads of 64: in training, attention (heads x length^2) is most of a step at this size
+    "mini": ModelConfig(vocab_size=_VOCAB, hidden_size=256, intermediate_size=512, num_layers=3,
+                        num_heads=4, num_kv_heads=2, head_dim=64, max_position_embeddings=2048,
+                        tie_word_embeddings=True, bos_token_id=ByteTokenizer.bos_token_id,
+                        eos_token_ids=(ByteTokenizer.eos_token_id,)),
     "tiny": ModelConfig(vocab_size=_VOCAB, hidden_size=256, intermediate_size=512, num_layers=4,
                         num_heads=8, num_kv_heads=4, head_dim=32, max_position_embeddings=2048,
                         bos_token_id=ByteTokenizer.bos_token_id,
@@ -70,7 +79,7 @@ def require_local_dir(path: str, what: str = "model") -> str:
 
 # presets whose trained weights ship in preset_weights/<name> (a model directory with its
 # embedding adapter in adapter/); the others are random from a seed
-SHIPPED = ()
+SHIPPED = ("mini",)
 
 
 def preset_dir(name: str) -> str | None:

@@ -20,6 +20,9 @@ class ByteTokenizer:
     eos_token_id = 257
     vocab_size = 258
 
+    def __init__(self, chat_template: str | None = None):
+        self.chat_template = chat_template  # from a model directory's tokenizer_config.json
+
     @property
     def eos_token_ids(self) -> tuple:
         return (self.eos_token_id,)
@@ -112,8 +115,10 @@ def load_tokenizer(model_dir: str, eos_token_ids: tuple, vocab_size: int | None 
         return None
     check_tokenizer_files(model_dir)
     config = os.path.join(model_dir, "tokenizer_config.json")
-    if os.path.isfile(config) and read_json(config).get("tokenizer_class") == BYTE_TOKENIZER_CLASS:
-        return ByteTokenizer()
+    settings = read_json(config) if os.path.isfile(config) else {}
+    if settings.get("tokenizer_class") == BYTE_TOKENIZER_CLASS:
+        template = settings.get("chat_template")
+        return ByteTokenizer(template if isinstance(template, str) else None)
     tokenizer = HFTokenizer(model_dir, eos_token_ids)
     if vocab_size is not None and tokenizer.vocab_size > vocab_size:
         raise ValueError(f"{os.path.join(model_dir, files[0])}: the tokenizer has "

@@ -1,6 +1,6 @@
 """`hetero-jax batch INPUT --output OUTPUT`: an offline batch job on one engine.
 
-    hetero-jax batch INPUT --output OUTPUT [--errors PATH] [--preset tiny | --model DIR]
+    hetero-jax batch INPUT --output OUTPUT [--errors PATH] [--preset mini | --model DIR]
                      [--replicas N] [--ray [ADDRESS]] [--ray-data] [--tensor-parallel N]
                      [--scheduler ibs] [--token-budget N] ...
 
@@ -85,8 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--errors", type=journal_file, default=None, metavar="PATH",
                    help=f"rows that failed, with line numbers (default: OUTPUT{ERRORS_SUFFIX}, "
                    "or stderr for --output -; rewritten by every run; - for stderr)")
-    p.add_argument("--preset", default="tiny", choices=list(PRESETS),
-                   help="embedded model (random weights, no download)")
+    p.add_argument("--preset", default="mini", choices=list(PRESETS),
+                   help="embedded model, no download (mini: trained; the others: random)")
     p.add_argument("--model", type=model_dir, default=None, metavar="DIR",
                    help="local Hugging Face directory (overrides --preset)")
     p.add_argument("--replicas", type=ints["replicas"], default=1,

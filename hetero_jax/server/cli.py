@@ -1,6 +1,6 @@
 """`hetero-jax serve`: the OpenAI-compatible server on a preset or a model directory.
 
-    hetero-jax serve [--preset tiny | --model DIR] [--host 127.0.0.1] [--port 8000]
+    hetero-jax serve [--preset mini | --model DIR] [--host 127.0.0.1] [--port 8000]
                      [--api-key KEY] [--replicas N] [--scheduler ibs] ...
 
 In: argv. Every flag is checked (argparse, exit status 2) before jax is imported, so `--help`
@@ -19,7 +19,7 @@ import socket
 import threading
 import time
 
-from hetero_jax.models.presets import PRESETS
+from hetero_jax.models.presets import PRESETS, preset_dir
 from hetero_jax.sched import BATCHING, POLICIES
 from hetero_jax.sim.options import DefaultsHelpFormatter, add_step_flags, int_range
 
@@ -47,8 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
                                 "server: /v1/completions, /v1/chat/completions, /v1/embeddings, "
                                 "/v1/models, /health, /metrics.")
     ints = {name: int_range(*limits) for name, limits in LIMITS.items()}
-    p.add_argument("--preset", default="tiny", choices=list(PRESETS),
-                   help="embedded model (random weights, no download)")
+    p.add_argument("--preset", default="mini", choices=list(PRESETS),
+                   help="embedded model, no download (mini: trained; the others: random)")
     p.add_argument("--model", type=_model_dir, default=None, metavar="DIR",
                    help="local Hugging Face directory (overrides --preset)")
     p.add_argument("--served-model-name", default=None, metavar="NAME",
@@ -132,7 +132,7 @@ def server_config(args):
     return ServerConfig(model=args.served_model_name or args.model or args.preset,
                         api_key=args.api_key, max_queued=args.max_queued,
                         max_body_bytes=args.max_body_bytes,
-                        chat_template=read_template(args.model))
+                        chat_template=read_template(args.model or preset_dir(args.preset)))
 
 
 def serve_main(argv) -> int:
