@@ -183,7 +183,7 @@ def main() -> None:
                     help="plain passage documents per passage an epoch")
     ap.add_argument("--stop-after", type=int, default=None, metavar="EPOCH",
                     help="stop after this epoch, the schedule still spanning --epochs (a "
-                    "later run resumes; build.json records the phases)")
+                    "later run with the same --work resumes from it)")
     ap.add_argument("--seed", type=int, default=0, help="init and data order")
     args = ap.parse_args()
     os.makedirs(args.work, exist_ok=True)
