@@ -45,7 +45,8 @@ def measure_peaks(repeats: int, dtype=jnp.float32) -> tuple[float, float]:
     a = jnp.ones((n, n), dtype)
     mm = jax.jit(lambda x: x @ x)
     flops = 2 * n**3 / median_time(lambda: mm(a).block_until_ready(), repeats)
-    big = jnp.ones((64 * 2**20,), jnp.float32)  # 256 MB, far past the caches
+    # 256 MB on a CPU, 2 GB on a GPU: far past the caches, and long past a launch's overhead
+    big = jnp.ones(((64 if jax.default_backend() == "cpu" else 512) * 2**20,), jnp.float32)
     read = jax.jit(jnp.sum)
     bw = big.nbytes / median_time(lambda: read(big).block_until_ready(), repeats)
     return flops, bw
@@ -122,7 +123,9 @@ def main(argv=None):
                        token_buckets=tuple(sorted(set(batches + [args.chunk]))),
                        seq_buckets=tuple(sorted(set(batches))),
                        page_buckets=tuple(sorted({16, 64, -(-max_len // 16)})),
-                       chunk_seq_buckets=(0, 1), dtype=args.dtype)
+                       chunk_seq_buckets=(0, 1), dtype=args.dtype,
+                       # the largest case's pages, past kv_cache_gib's default cap where need be
+                       num_pages=max(batches) * -(-(args.context + 1) // 16) + 1)
     engine = Engine.from_preset(args.preset, config=cfg)
     dtype = jnp.dtype(engine.config.dtype)
     flops_peak, bw = measure_peaks(args.repeats, dtype)

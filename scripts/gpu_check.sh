@@ -10,27 +10,36 @@
 #   3. scripts/bench_forward.py on the `llama-8b-shape` preset in bfloat16: decode at 64 x 2,048
 #      cached tokens against its roofline, and the mixed step against its parts.
 #   4. hetero-jax bench: IBS against homogeneous at 9:1, 5:5 and 1:9 on the same preset.
-# Everything lands in one JSON, $OUT/gpu_check.json (OUT defaults to out/gpu_check).
-set -euo pipefail
+# Everything lands in one JSON, $OUT/gpu_check.json (OUT defaults to out/gpu_check). A stage that
+# fails does not stop the later ones (a lease is short): each stage's exit status is printed and
+# the script exits non-zero if any failed.
+set -uo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-$(command -v python3 || command -v python)}"
 OUT="${OUT:-out/gpu_check}"
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export XLA_PYTHON_CLIENT_PREALLOCATE=false HETERO_JAX_PALLAS_INTERPRET=0 PYTHONUNBUFFERED=1
-"$PY" -c "import jax; assert jax.default_backend() == 'gpu', jax.devices(); print(jax.__version__, jax.devices())"
+"$PY" -c "import jax; assert jax.default_backend() == 'gpu', jax.devices(); print(jax.__version__, jax.devices())" || exit 1
+FAILED=""
+stage() {  # stage NAME COMMAND...: run it, note a failure, go on
+    local name=$1; shift
+    "$@"; local rc=$?
+    echo "stage $name: exit $rc"
+    if [ $rc -ne 0 ]; then FAILED="$FAILED $name"; fi
+}
 GPUS=$("$PY" -c "import jax; print(len(jax.devices()))")
 TP_TESTS=""
 if [ "$GPUS" -ge 2 ]; then TP_TESTS="tests/test_tensor_parallel.py"; fi
 # -p no:xdist -o addopts="": one process, slow tests included (the engine test is slow on CPUs).
-timeout 240 "$PY" -m pytest -q -p no:xdist -p no:cacheprovider -o addopts="" \
+stage pytest timeout 200 "$PY" -m pytest -q -p no:xdist -p no:cacheprovider -o addopts="" \
     tests/test_pallas_attention.py tests/test_cascade.py \
     "tests/test_generate.py::test_pallas_attention_engine_matches_xla" $TP_TESTS \
-    2>&1 | tee "$OUT/pytest.log"
-timeout 90 "$PY" scripts/bench_attention.py --out "$OUT"
-timeout 150 "$PY" scripts/bench_forward.py --preset llama-8b-shape --batches 1,16,64 \
+    -rfE --tb=short --junitxml "$OUT/pytest.xml"
+stage attention timeout 80 "$PY" scripts/bench_attention.py --out "$OUT"
+stage forward timeout 150 "$PY" scripts/bench_forward.py --preset llama-8b-shape --batches 1,16,64 \
     --context 2048 --chunk 512 --repeats 5 --mixed 4:60:16 --json "$OUT/bench_forward.json"
-timeout 120 "$PY" -m hetero_jax.cli bench --preset llama-8b-shape --schedulers ibs,homogeneous \
+stage bench timeout 120 "$PY" -m hetero_jax.cli bench --preset llama-8b-shape --schedulers ibs,homogeneous \
     --ratios 9:1,5:5,1:9 --repeats 1 --json "$OUT/bench.json"
 "$PY" - "$OUT" <<'EOF'
 import glob, json, os, sys
@@ -41,3 +50,4 @@ with open(os.path.join(out, "gpu_check.json"), "w") as f:
     json.dump(merged, f, indent=1)
 print("wrote", os.path.join(out, "gpu_check.json"), "with", ", ".join(merged))
 EOF
+if [ -n "$FAILED" ]; then echo "failed stages:$FAILED"; exit 1; fi
