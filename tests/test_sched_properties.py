@@ -158,6 +158,23 @@ def test_ibs_never_starves_a_backlogged_queue(scenario):
     either; at most max_lead of them run in a row while an embedding head is live.
     """
     cfg, requests, arrivals = scenario
+    check_no_starvation(cfg, requests, arrivals)
+
+
+def test_a_split_step_does_not_lead_on_the_lead_of_the_embedding_it_defers():
+    """Found by the property above: three thin-batch prefills pass a live embedding (the
+    lead, 3, spent); the next step's selections are generation (contested), the embedding
+    (lead restored) and a thin-batch prefill; the cost model splits the step. Keeping the
+    generation part would defer the embedding whose selection gave that prefill its lead:
+    four thin-batch selections in a row. The embedding part runs instead."""
+    cfg = config(policy="ibs", token_budget=3, chunk_size=1, max_num_seqs=3, max_chunk_seqs=3,
+                 page_size=1, num_pages=12, max_model_len=96, prefix_caching=False,
+                 step_cost=lambda out: 1 + len(out.items) ** 2, thin_batch=1.0)
+    requests = [emb(i, 1) for i in range(9)] + [gen(9, 1, 1), gen(10, 2, 1), gen(11, 10, 1)]
+    check_no_starvation(cfg, requests, {0: requests})
+
+
+def check_no_starvation(cfg, requests, arrivals) -> None:
     sched = Scheduler(cfg)
     log = PickLog(sched.policy)
     drive(sched, arrivals, max_steps=20_000)

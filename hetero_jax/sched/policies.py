@@ -211,7 +211,10 @@ class CostAwareIbsPolicy(IbsPolicy):
     generation part (prefill chunks and decodes) cheaper apart, one part runs and the other
     waits, its requests admitted, for a later step. The part kept is the type the last split
     deferred (so the kept type alternates from split to split), else the type of the step's
-    first selection (the one the credits favour). The deferred type's selections did not
+    first selection (the one the credits favour), except that the embedding part runs where
+    keeping the generation part would keep thin-batch selections whose lead only the deferred
+    embedding selection restored (then more than `max_lead` of them would pass a live
+    embedding in a row; the hypothesis test found it). The deferred type's selections did not
     happen: the credits go back to where they stood before its first selection of the step,
     as when IBS finds a type's head cannot run (it keeps its credit and the other type's later
     selections are uncontested). So IBS's bound on how long a backlogged type waits holds over
@@ -247,16 +250,30 @@ class CostAwareIbsPolicy(IbsPolicy):
                 self.owed = None
             return out
         keep = self.owed or self._picks[0][0]  # a mixed step holds an embedding selection
+        replay = self._replay(EMBED if keep == GENERATE else GENERATE)
+        if keep == GENERATE and replay is not None and replay[1] < 0:
+            # the generation part led over an embedding on a lead that only the embedding
+            # selection now deferred gave back: the embedding part runs instead
+            keep, replay = EMBED, self._replay(GENERATE)
         self.owed = GENERATE if keep == EMBED else EMBED
         self.splits += 1
-        first = next((i for i, (kind, _, _) in enumerate(self._picks) if kind == self.owed),
-                     None)
-        if first is not None:  # replay the lead over the selections that ran
-            self.credits.acc, self.lead = self._picks[first][1]
-            for kind, _, over in self._picks[first:]:
-                if kind != self.owed:
-                    self.lead = self.max_lead if kind == EMBED else self.lead - over
+        if replay is not None:
+            self.credits.acc, self.lead = replay
         return SchedulerOutput(parts[keep].items, out.preempted, out.encoder_items)
+
+    def _replay(self, deferred: str) -> tuple | None:
+        """(credits, lead) with `deferred`'s selections of this step taken back: as before
+        its first one, then the lead replayed over the other type's later selections; None
+        when it made none."""
+        first = next((i for i, (kind, _, _) in enumerate(self._picks) if kind == deferred),
+                     None)
+        if first is None:
+            return None
+        acc, lead = self._picks[first][1]
+        for kind, _, over in self._picks[first:]:
+            if kind != deferred:
+                lead = self.max_lead if kind == EMBED else lead - over
+        return acc, lead
 
 
 POLICIES = {p.name: p for p in (IbsPolicy, FcfsPolicy, HomogeneousPolicy)}
