@@ -60,10 +60,13 @@ class Contender:
             "/plain" if len(cfg.cascade) > 1 and not cascade else "")
         feather = engine_config.feather if arm is None else dataclasses.replace(
             engine_config.feather, loss_limit=arm.loss_limit, cap=arm.cap)
-        cost_aware = scheduler == COST_AWARE_IBS  # ibs with cfg.cost_model
+        # ibs-cost: ibs with cfg.cost_model; the others keep the engine's default ("auto":
+        # ibs is cost-aware where the engine knows its model, as a user's engine is)
+        cost_aware = scheduler == COST_AWARE_IBS
         self.engine = make_engine(cfg.model or cfg.preset, dataclasses.replace(
             engine_config, scheduler="ibs" if cost_aware else scheduler,
-            cost_model=cfg.cost_model if cost_aware else None, prefix_caching=caching,
+            cost_model=cfg.cost_model if cost_aware else engine_config.cost_model,
+            prefix_caching=caching,
             batching=batching, feather=feather,
             cascade_rows=engine_config.cascade_rows if cascade else 0), cfg.seed)
         self.token_budget = engine_config.token_budget

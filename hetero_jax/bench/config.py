@@ -86,8 +86,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ratios", type=parse_ratios, default="9:1,5:5,1:9",
                    help="embed:gen request ratios (mixed workload)")
     p.add_argument("--schedulers", type=name_list(SCHEDULERS + (COST_AWARE_IBS,), "scheduler"),
-                   default=",".join(SCHEDULERS), help=f"contenders; {COST_AWARE_IBS} (not in the "
-                   "default) is ibs with --cost-model, splitting a mixed step when two cost less")
+                   default=",".join(SCHEDULERS), help="contenders, each with the engine's "
+                   "defaults (ibs is cost-aware where the engine knows its model's step cost: "
+                   f"the small preset on a CPU, any model on an A100 or H200); {COST_AWARE_IBS} "
+                   "(not in the default) is ibs with --cost-model, splitting a mixed step when "
+                   "two cost less")
     p.add_argument("--cost-model", metavar="SPEC", help=f"the {COST_AWARE_IBS} contender's "
                    "step-cost model: a cost model JSON (scripts/calibrate.py) or roofline:<hw>")
     p.add_argument("--batching", type=name_list(BATCHINGS, "batching policy"), default="fcfs",
