@@ -37,10 +37,11 @@ stage pytest timeout 200 "$PY" -m pytest -q -p no:xdist -p no:cacheprovider -o a
     "tests/test_generate.py::test_pallas_attention_engine_matches_xla" $TP_TESTS \
     -rfE --tb=short --junitxml "$OUT/pytest.xml"
 stage attention timeout 80 "$PY" scripts/bench_attention.py --out "$OUT"
-stage forward timeout 150 "$PY" scripts/bench_forward.py --preset llama-8b-shape --batches 1,16,64 \
-    --context 2048 --chunk 512 --repeats 5 --mixed 4:60:16 --json "$OUT/bench_forward.json"
-stage bench timeout 120 "$PY" -m hetero_jax.cli bench --preset llama-8b-shape --schedulers ibs,homogeneous \
-    --ratios 9:1,5:5,1:9 --repeats 1 --json "$OUT/bench.json"
+stage forward timeout 150 "$PY" scripts/bench_forward.py --preset llama-8b-shape \
+    --batches 1,16,64 --context 2048 --chunk 512 --repeats 5 --mixed 4:60:16 \
+    --json "$OUT/bench_forward.json"
+stage bench timeout 120 "$PY" -m hetero_jax.cli bench --preset llama-8b-shape \
+    --schedulers ibs,homogeneous --ratios 9:1,5:5,1:9 --repeats 1 --json "$OUT/bench.json"
 "$PY" - "$OUT" <<'EOF'
 import glob, json, os, sys
 out = sys.argv[1]
