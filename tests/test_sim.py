@@ -169,12 +169,18 @@ def test_closed_loop_and_replicas():
     one = simulate(SimConfig(sched, workload, replicas=1), cost)
     assert one.per_type[GENERATE]["completed"] + one.per_type[EMBED]["completed"] == 60
     sched, burst = small_sim(arrival="burst")
-    r1 = simulate(SimConfig(sched, burst, replicas=1), cost)
-    r2 = simulate(SimConfig(sched, burst, replicas=2), cost)
-    # makespans are simulated seconds, the cost model's step costs summed: no clock is read,
-    # so a rerun gives the same numbers on any machine, loaded or not
-    assert simulate(SimConfig(sched, burst, replicas=2), cost).makespan_s == r2.makespan_s
-    assert r2.makespan_s / r1.makespan_s < 0.7, "two replicas share a burst"
+    r1 = simulate(SimConfig(sched, burst, replicas=1), UnitSteps())
+    r2 = simulate(SimConfig(sched, burst, replicas=2), UnitSteps())
+    # every step costs 1 simulated second, so a makespan counts the busiest replica's steps
+    assert r1.makespan_s == r1.steps and r2.makespan_s < r2.steps
+    assert r2.makespan_s < 0.7 * r1.steps, "two replicas share a burst"
+
+
+class UnitSteps:
+    """A cost model whose every step costs 1 s: simulated time is a step count."""
+
+    def step_time(self, shape) -> float:
+        return 1.0
 
 
 def test_dedicated_split_routes_each_type_to_its_own_replicas():
