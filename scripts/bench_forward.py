@@ -125,7 +125,9 @@ def main(argv=None):
                        page_buckets=tuple(sorted({16, 64, -(-max_len // 16)})),
                        chunk_seq_buckets=(0, 1), dtype=args.dtype,
                        # the largest case's pages, past kv_cache_gib's default cap where need be
-                       num_pages=max(batches) * -(-(args.context + 1) // 16) + 1)
+                       # (and at least a max_model_len sequence's, as the engine asks)
+                       num_pages=max(max(batches) * -(-(args.context + 1) // 16),
+                                     -(-max(max_len, args.chunk) // 16)) + 1)
     engine = Engine.from_preset(args.preset, config=cfg)
     dtype = jnp.dtype(engine.config.dtype)
     flops_peak, bw = measure_peaks(args.repeats, dtype)
