@@ -33,6 +33,7 @@ from hetero_jax.bench.loop import closed_loop, counters, counters_delta, summari
 from hetero_jax.bench.report import COLUMNS, NOTES, plot_results
 from hetero_jax.bench.stats import (bootstrap_interval, inside_noise, ratio_interval,
                                     rounds_within, run_order)
+from hetero_jax.bench.timeshare import TimeShare, on_own_clock
 from hetero_jax.bench.workloads import (MixedWorkload, SharedPrefixWorkload,
                                         synthetic_iter_retgen)
 from hetero_jax.sched.batching import FeatherConfig
@@ -76,16 +77,29 @@ class Contender:
 
     def serve(self, items: list, clients: int, on_done=None, index=None,
               iterations: int = 2) -> dict:
-        """Run `items` through the closed loop from an empty prefix cache (so no run finds
-        the prompts of the warm-up or of an earlier repeat of the same items); returns the
-        summary row."""
+        """Run `items` through the closed loop alone; returns the summary row."""
+        before, cpu0 = self.begin(), time.process_time()
+        records = asyncio.run(self.loop(self.front(), items, clients, on_done, index,
+                                        iterations))
+        return self.row(records, before, time.process_time() - cpu0)
+
+    def begin(self) -> dict:
+        """Ready the engine for a run -> its counters before it: an empty prefix cache (so no
+        run finds the prompts of the warm-up or of an earlier repeat of the same items)."""
         self.engine.reset_prefix_cache()
         if not self.dedicated:  # a shared cache: share_compiled_steps
             self.engine.count_compiles()
-        before, cpu0 = counters(self.engine), time.process_time()
-        records = asyncio.run(self._loop(items, clients, on_done, index, iterations))
-        after, cpu_s = counters(self.engine), time.process_time() - cpu0
-        row = summarize(records, counters_delta(before, after), self.token_budget)
+        return counters(self.engine)
+
+    def row(self, records: list, before: dict, cpu_s: float, compiled=None) -> dict:
+        """The summary row of a run's records (its counters since `before`; `compiled`:
+        (variants, seconds) this run compiled, where its engine's counters also hold other
+        engines' compiles made meanwhile)."""
+        delta = counters_delta(before, counters(self.engine))
+        if compiled is not None:
+            delta.update(compiles=compiled[0], compile_s=compiled[1],
+                         compile_stall_s=compiled[1])
+        row = summarize(records, delta, self.token_budget)
         row.update(cpu_s=cpu_s, requests_per_cpu_s=row["requests"] / cpu_s if cpu_s else None)
         batching = None if self.dedicated else self.engine.stats.batching
         if batching and batching["batching"] != "fcfs":
@@ -94,8 +108,7 @@ class Contender:
             row["dedicated_mean_gen_batch"] = sum(self.batch_sizes) / len(self.batch_sizes)
         return dict(scheduler=self.name, **row)
 
-    async def _loop(self, items, clients, on_done, index, iterations) -> list:
-        front = self.front()
+    async def loop(self, front, items, clients, on_done, index, iterations) -> list:
         try:
             return await closed_loop(front, items, clients, on_done, index, iterations)
         finally:
@@ -103,13 +116,15 @@ class Contender:
             if self.dedicated:
                 self.batch_sizes = front.batch_sizes["generate"]
 
-    def front(self):
+    def front(self, share=None):
+        """Its closed-loop front; with a `timeshare.TimeShare`, one whose engine steps only
+        in its turns."""
         from hetero_jax.serving.async_engine import AsyncEngine
         from hetero_jax.serving.async_replicas import AsyncDedicated
 
         if self.dedicated:
             return AsyncDedicated(self.engine, self.tokenizer)
-        return AsyncEngine(self.engine)
+        return AsyncEngine(share.engine(self.name, self.engine) if share else self.engine)
 
     def close(self) -> None:
         if self.dedicated:  # end its worker processes
@@ -221,14 +236,37 @@ def serve_all(contenders: list, lists: list, cfg: BenchConfig, index, desc: str,
     rows = []
     for label, items in lists:
         runs = {c.name: [] for c in contenders}
-        for i in run_order(len(contenders), repeats):
-            c = contenders[i]
-            bar.set_postfix_str(f"{c.name} {label}")
-            runs[c.name].append(c.serve(items, cfg.clients, lambda _: clock.update(1), index,
-                                        cfg.iterations))
+        if cfg.slice_s:  # every round: all of them at once, in turns (bench.timeshare)
+            for r in range(repeats):
+                bar.set_postfix_str(f"round {r + 1} {label}")
+                order = contenders[r % len(contenders):] + contenders[:r % len(contenders)]
+                for row in serve_sliced(order, items, cfg, lambda _: clock.update(1), index):
+                    runs[row["scheduler"]].append(row)
+        else:
+            for i in run_order(len(contenders), repeats):
+                c = contenders[i]
+                bar.set_postfix_str(f"{c.name} {label}")
+                runs[c.name].append(c.serve(items, cfg.clients, lambda _: clock.update(1),
+                                            index, cfg.iterations))
         rows += [dict(median_run(rs), ratio=label) for rs in runs.values()]
     bar.close()
     return rows
+
+
+def serve_sliced(contenders: list, items: list, cfg: BenchConfig, on_done, index) -> list:
+    """One round: every contender's closed loop over `items` at once, its engine stepping in
+    turns of `cfg.slice_s` (the first in `contenders` asks first) -> their rows, each timed
+    on its own clock (`timeshare`)."""
+    share = TimeShare(cfg.slice_s)
+    befores = [c.begin() for c in contenders]
+
+    async def together():
+        return await asyncio.gather(*(c.loop(c.front(share), items, cfg.clients, on_done, index,
+                                              cfg.iterations) for c in contenders))
+
+    runs = asyncio.run(together())
+    return [c.row(on_own_clock(share, c.name, records), before, share.cpu_s[c.name],
+                  share.compiled[c.name]) for c, records, before in zip(contenders, runs, befores)]
 
 
 def compile_seconds(contenders: list) -> float:
@@ -326,6 +364,8 @@ def _print_header(cfg: BenchConfig, load: float) -> None:
                 f"prompts of {cfg.prompt_len}, outputs of {cfg.output_len}")
     runs = "one run" if cfg.repeats == 1 else f"the median of {cfg.repeats} interleaved runs"
     runs += "; A/A: the first contender twice" if cfg.aa else ""
+    runs += (f"; each round's contenders at once, in turns of {cfg.slice_s:g} s, each on its "
+             "own clock" if cfg.slice_s else "")
     print(f"hetero-jax bench: {source}; schedulers {', '.join(cfg.schedulers)}; "
           f"{cfg.clients} closed-loop clients; {runs} per row; {what}", flush=True)
     print(f"machine: {len(os.sched_getaffinity(0))} cores, load average {load:.1f} (other "

@@ -119,6 +119,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--aa", action="store_true",
                    help="A/A: run the first contender twice under two names (the second "
                    "with a '), so the report shows the bench's own noise")
+    p.add_argument("--slice-s", type=real_range(0, 60, open_lo=True), default=None,
+                   help="serve a round's contenders at once, their engines stepping in turns "
+                   "of about this many seconds, each timed on its own clock (bench.timeshare): "
+                   "a slow spell of the machine falls on all of them alike (default: whole "
+                   "runs, one after another)")
     p.add_argument("--embed-len", type=int_in("embed_len"), default=128,
                    help="tokens per embedding input")
     p.add_argument("--prompt-len", type=int_in("prompt_len"), default=128,
@@ -191,6 +196,7 @@ class BenchConfig:
     min_gens: int
     repeats: int
     aa: bool  # the first contender twice, as two names
+    slice_s: float | None  # a round's contenders at once, in turns of this many seconds
     embed_len: int
     prompt_len: int
     output_len: int
@@ -258,6 +264,10 @@ class BenchConfig:
                          "roofline:<hardware>")
         if args.tensor_parallel > 1:
             _check_tensor_parallel(parser, args, model_cfg)
+        if args.slice_s and "dedicated" in args.schedulers:
+            parser.error(f"argument --slice-s: --slice-s {args.slice_s:g} with the dedicated "
+                         "contender cannot share turns (it steps in its own processes); drop it "
+                         "from --schedulers")
         relation = size_relation(args.token_budget, args.chunk_size, args.max_num_seqs,
                                  args.max_chunk_seqs)
         if relation:

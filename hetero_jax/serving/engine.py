@@ -237,7 +237,7 @@ class Engine(BatchAPI):
         """Whether requests are queued or running, or a step is in flight."""
         return self.pipeline.has_work()
 
-    def step(self) -> StepOutput:
+    def step(self, drain: bool = False) -> StepOutput:
         """One device step's outputs: the requests it finished (or failed) and those that
         sampled a token and go on. With `config.async_scheduling` (the default) the next step
         is scheduled, packed and dispatched before this one's outputs are processed, so the
@@ -248,9 +248,13 @@ class Engine(BatchAPI):
         alone (`finish_reason="error"`, pages and slots freed) and the others run next step;
         when no item is to blame, the error is raised. A request whose sampled token or
         embedding comes back NaN or Inf fails alone the same way.
+
+        `drain=True` runs this one step without the overlap: it returns with nothing in
+        flight, so nothing of this engine runs on the device until the next call (the bench's
+        time slices hand the machine to another engine then: `bench.timeshare`).
         """
         with self._lock:
-            return self.pipeline.step()
+            return self.pipeline.step(drain)
 
     def queue_counts(self) -> tuple[dict, dict]:
         """(waiting, running): request counts by kind ("generate", "embed"); callable from

@@ -83,8 +83,9 @@ class StepPipeline:
         error to raise. A flight left with dead rows only is collected by the next step."""
         return self.scheduler.has_work() or self.error is not None
 
-    def step(self) -> StepOutput:
-        """One device step's outputs (see the module docstring)."""
+    def step(self, drain: bool = False) -> StepOutput:
+        """One device step's outputs (see the module docstring); `drain`: schedule no next
+        step, so none is in flight when the call returns."""
         if self.error is not None:
             error, self.error = self.error, None
             raise error
@@ -99,7 +100,7 @@ class StepPipeline:
                 return StepOutput(self._fail_culprits(out, error), [])
         flight, self.flight = self.flight, None
         ahead = self.scheduler.advance(flight.out)
-        nxt = self._schedule_next() if self.overlap else None
+        nxt = self._schedule_next() if self.overlap and not drain else None
         runner_out = self._collect(flight)
         if nxt is not None:
             self._launch_next(nxt, runner_out)
