@@ -48,6 +48,23 @@ def test_find_best_prefers_the_request_sharing_the_running_batch_and_reports_the
     assert [r.request_id for r in cht.ranked()] == [1]
 
 
+def test_a_best_found_while_ranked_sets_requests_aside_is_not_kept_after_it():
+    """`ranked` pops the requests it yields off the heap until it ends; a `find_best` asked
+    meanwhile (feather's admission loop asks after every admission) sees only the rest. Once
+    the iterator ends they are back, and so must the best be: a stale None left feather's
+    queue unserved for 16 steps of the simulator's 16-group trace."""
+    cht = ChunkedHashTree(PAGE, CHUNK)
+    a, b = req(0, range(8)), req(1, [50 + i for i in range(8)])
+    cht.add(a)
+    cht.add(b)
+    it = cht.ranked()
+    assert [next(it).request_id, next(it).request_id] == [0, 1]
+    cht.find_best()  # asked while both are set aside
+    it.close()
+    assert cht.find_best().request is a
+    assert [r.request_id for r in cht.ranked()] == [0, 1]
+
+
 def brute(cht: ChunkedHashTree, running: dict, waiting: dict, order: dict) -> dict:
     keys = {rid: chunk_keys(r, PAGE, CHUNK) for rid, r in {**running, **waiting}.items()}
     work = {k for rid in running for k in keys[rid]}

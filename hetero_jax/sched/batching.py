@@ -236,10 +236,14 @@ class FeatherBatching(FcfsBatching):
                         if r.request_id not in tried and r.request_id in self.cht.waiting), None)
             if req is None:
                 return
+            # a request that shares with the batch waits and this step has not tried it (one
+            # tried stays waiting when the scheduler held it back, as for a prefix page still
+            # in flight: it does not hold the others back too)
+            sharer = best.held > 0 and best.request.request_id not in tried
             tried.add(req.request_id)
             n, d, limit = len(self.cht.running), self.cht.describe(req), self.arm.loss_limit
             if n >= self.cap or (n >= self.floor and limit is not None and (
-                    d.loss > limit or d.held < (best.held > 0))):  # lose, or start a group
+                    d.loss > limit or d.held < sharer)):  # lose, or start a group
                 self.refused = n < self.max_seqs  # the arm's limits, not the engine's, held it
                 return  # while others share with the batch
             yield req

@@ -157,6 +157,8 @@ class ChunkedHashTree:
             for entry in aside:
                 if self._version.get(entry[2]) == entry[3]:
                     heapq.heappush(self._heap, entry)
+            if aside:  # a best found while they were set aside is stale now
+                self._changed()
 
     def describe(self, req: Request) -> Best:
         """What admitting the waiting request `req` would do (as `find_best` reports it)."""
