@@ -17,7 +17,8 @@ Plain Python; imports no jax.
   missing from the running batch first (re-ranked after each admission; arrival order while
   no waiting request shares a chunk with the batch). Past the batch's floor a request is
   admitted only while the prefix loss (the running batch's common chunks it would lose) stays
-  within `loss_limit` and, while some waiting request shares with the batch, it shares too.
+  within `loss_limit` and, while some waiting request shares with the batch and has not been
+  offered this step, it shares too.
   The floor starts at `floor` and grows to the batch size with each admission that shares
   with the batch and loses nothing; at most `cap` generation requests run. Decodes: when the
   running batch has no common prefix, the largest group of decodes sharing a first chunk
