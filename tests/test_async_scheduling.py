@@ -9,6 +9,7 @@ scheduler driven ahead (`advance`, schedule the next step, `settle`) produces wh
 in sequence, over random mixes that preempt, and leaves the pool clean.
 """
 import dataclasses
+import itertools
 import random
 
 import numpy as np
@@ -131,6 +132,33 @@ def test_the_host_prepares_the_next_step_while_one_runs(pair, monkeypatch):
                  ["schedule", "launch", "collect", "settle"])
         steady = calls[1:1 + len(cycle)] if on else calls[:len(cycle)]
         assert steady == cycle, calls
+
+
+def test_a_drained_step_dispatches_nothing_ahead_and_changes_no_output(pair, monkeypatch):
+    """`Engine.step(drain=True)` (the bench's time slices end a turn with it) collects the
+    step in flight without scheduling or launching the next; draining every other step gives
+    the tokens of an undrained run."""
+    engine = pair[True]
+    ref = [o.token_ids for o in engine.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    calls = []
+    for obj, name in ((engine.scheduler, "schedule"), (engine.runner, "launch")):
+        def wrapped(*args, _fn=getattr(obj, name), _name=name, **kw):
+            calls.append(_name)
+            return _fn(*args, **kw)
+        monkeypatch.setattr(obj, name, wrapped)
+    handles = engine.add([GenerateRequest(p, GREEDY) for p in PROMPTS])
+    drained = 0
+    for step in itertools.count():
+        if not engine.has_work():
+            break
+        calls.clear()
+        engine.step(drain=step % 2 == 1)
+        if step % 2 == 1:
+            assert calls == [], f"step {step} dispatched {calls}"
+            drained += 1
+    monkeypatch.undo()
+    assert drained >= 3
+    assert [engine.output(h).token_ids for h in handles] == ref
 
 
 @pytest.mark.slow

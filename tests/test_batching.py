@@ -169,7 +169,7 @@ def test_feather_does_not_hold_the_queue_behind_a_group_mate_the_scheduler_skipp
         feather.admitted(r)
     feather.begin_step()
     offered = feather.order([mate, stranger])
-    assert next(offered) is mate  # shares 4 chunks with the batch
+    assert next(offered) is mate  # shares 2 chunks with the batch
     assert next(offered, None) is stranger  # mate not admitted: the next one is offered
     assert not feather.refused
     feather.admitted(stranger)
