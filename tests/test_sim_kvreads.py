@@ -95,6 +95,20 @@ SMALL_TABLE = ["--groups", "2", "--prompts-per-group", "4", "--prefix-len", "256
                "--output-len", "8", "--clients", "8", "--cascade", "off"]
 
 
+def test_the_batching_table_runs_the_planned_and_mixed_cascade_what_ifs():
+    """--planned-tiles and --mixed-cascade reach `CascadeSettings` as themselves (they were
+    once passed positionally into its sequence buckets, and the table crashed); planned
+    tiles and cascade in mixed steps read no more KV than the engine's fixed tiles."""
+    from hetero_jax.sim.batching_table import main
+
+    on = SMALL_TABLE[:-1] + ["on"]
+    fixed = {r["batching"]: r["kv_gb"] for r in main(on)}
+    planned = {r["batching"]: r["kv_gb"] for r in main(on + ["--planned-tiles",
+                                                             "--mixed-cascade"])}
+    assert set(planned) == set(fixed) == set(BATCHING)
+    assert all(planned[b] <= fixed[b] for b in BATCHING), (planned, fixed)
+
+
 def test_the_arms_table_puts_the_bandit_beside_each_arm_run_alone_and_fcfs(tmp_path):
     import json
 

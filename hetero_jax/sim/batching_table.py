@@ -126,7 +126,7 @@ def _settings(args) -> list:
                             arrival=args.arrival, clients=args.clients, shared=shared)
         for cascade in sorted(args.cascade):
             settings = CascadeSettings(args.cascade_rows, 16, args.max_num_seqs,
-                                       args.planned_tiles, args.mixed_cascade) \
+                                       planned=args.planned_tiles, mixed=args.mixed_cascade) \
                 if cascade else None
             out.append((label, f"{frac:.0%} emb" if frac else "gen", "on" if cascade else "off",
                         wl, settings))
