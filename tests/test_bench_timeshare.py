@@ -60,6 +60,7 @@ class FakeEngine:
             if len([n for n, _ in self.log if n == self.name]) == self.compile_at:
                 self.cache.compiles += 1
                 self.cache.compile_s += 1.5
+            self.count_compiles()  # as `Engine.record_step` does at the end of a step
             self.clock.now += 1
             self.left -= 1
         finally:

@@ -54,7 +54,7 @@ class TimeShare:
     def step(self, name: str, engine):
         """One step of `engine` in `name`'s turn (waits for it); the turn ends after a step
         begun past `slice_s` (drained) or one that leaves the engine idle. What the step
-        compiled (`engine.stats` after `count_compiles`) is `name`'s."""
+        compiled (`engine.stats`, which a step brings up to date) is `name`'s."""
         self._acquire(name)
         engine.count_compiles()  # up to date with a cache other engines compiled into
         compiles, seconds = engine.stats.compiles, engine.stats.compile_s
@@ -64,8 +64,7 @@ class TimeShare:
         except BaseException:
             self._release(name)
             raise
-        engine.count_compiles()
-        n, s = self.compiled[name]
+        n, s = self.compiled[name]  # the step brought its stats up to date
         self.compiled[name] = (n + engine.stats.compiles - compiles,
                                s + engine.stats.compile_s - seconds)
         if drain or not engine.has_work():
