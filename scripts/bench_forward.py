@@ -79,6 +79,23 @@ def fake_items(engine, lengths: list, kind: str, first_id: int = 10_000) -> list
     return items
 
 
+def forward_config(batches: list, context: int, chunk: int | None, dtype: str) -> EngineConfig:
+    """An engine whose buckets are exactly these decode batches (at `context` cached tokens
+    each) and one `chunk`-token prefill chunk, with pages for the largest case."""
+    chunk = chunk or 64
+    max_len = max(1024, context + 16)
+    return EngineConfig(token_budget=max(max(batches), chunk), chunk_size=chunk,
+                        max_num_seqs=max(batches), max_chunk_seqs=1, max_model_len=max_len,
+                        token_buckets=tuple(sorted(set(batches + [chunk]))),
+                        seq_buckets=tuple(sorted(set(batches))),
+                        page_buckets=tuple(sorted({16, 64, -(-max_len // 16)})),
+                        chunk_seq_buckets=(0, 1), dtype=dtype,
+                        # the largest case's pages, past kv_cache_gib's default cap where need
+                        # be (and at least a max_model_len sequence's, as the engine asks)
+                        num_pages=max(max(batches) * -(-(context + 1) // 16),
+                                      -(-max(max_len, chunk) // 16)) + 1)
+
+
 def mixed_vs_parts(preset: str, spec: str, context: int, repeats: int,
                    dtype: str = "auto") -> dict:
     """The mixed step of `spec` (CHUNKS:LEN:DECODES) and its embedding-only and decode-only
@@ -117,18 +134,8 @@ def main(argv=None):
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
-    max_len = max(1024, args.context + 16)
-    cfg = EngineConfig(token_budget=max(max(batches), args.chunk), chunk_size=args.chunk,
-                       max_num_seqs=max(batches), max_chunk_seqs=1, max_model_len=max_len,
-                       token_buckets=tuple(sorted(set(batches + [args.chunk]))),
-                       seq_buckets=tuple(sorted(set(batches))),
-                       page_buckets=tuple(sorted({16, 64, -(-max_len // 16)})),
-                       chunk_seq_buckets=(0, 1), dtype=args.dtype,
-                       # the largest case's pages, past kv_cache_gib's default cap where need be
-                       # (and at least a max_model_len sequence's, as the engine asks)
-                       num_pages=max(max(batches) * -(-(args.context + 1) // 16),
-                                     -(-max(max_len, args.chunk) // 16)) + 1)
-    engine = Engine.from_preset(args.preset, config=cfg)
+    engine = Engine.from_preset(args.preset, config=forward_config(
+        batches, args.context, args.chunk, args.dtype))
     dtype = jnp.dtype(engine.config.dtype)
     flops_peak, bw = measure_peaks(args.repeats, dtype)
     print(f"{args.preset}: {engine.model_cfg.num_params / 1e6:.1f}M params in {dtype}; measured "
