@@ -23,6 +23,7 @@ import numpy as np
 
 from hetero_jax import Engine, EngineConfig
 from hetero_jax.runner.batch import batch_spec
+from hetero_jax.runner.wire import to_wire, wire_spec
 from hetero_jax.runner.executables import CPU_COMPILE_OPTIONS
 
 OPTION_SETS = {"engine": CPU_COMPILE_OPTIONS, "xla-default": {}}
@@ -33,16 +34,16 @@ KEYS = [(16, 8, 0, 8, 0), (32, 32, 0, 32, 0), (64, 8, 4, 8, 8), (128, 16, 4, 32,
 def compile_step(runner, key: tuple, options: dict) -> tuple:
     """(executable, compile CPU seconds) of variant `key` under XLA `options`."""
     fn = jax.jit(runner.step_fn(key), donate_argnums=(1,))
-    lowered = fn.lower(runner.params, runner.state, batch_spec(runner.cfg, *key))
+    lowered = fn.lower(runner.params, runner.state, *wire_spec(batch_spec(runner.cfg, *key)))
     start = time.process_time()
     executable = lowered.compile(compiler_options=options or None)
     return executable, time.process_time() - start
 
 
-def time_step(runner, executable, batch) -> tuple:
+def time_step(runner, executable, wire) -> tuple:
     """(wall, CPU) seconds of one step, its output copied to the host."""
     t0, c0 = time.perf_counter(), time.process_time()
-    runner.state, packed = executable(runner.params, runner.state, batch)
+    runner.state, packed, _ = executable(runner.params, runner.state, *wire)
     np.asarray(packed)
     return time.perf_counter() - t0, time.process_time() - c0
 
@@ -51,12 +52,12 @@ def measure(runner, key: tuple, rounds: int) -> dict:
     """Compile `key` under every option set, then `rounds` interleaved timings of each."""
     built = {name: compile_step(runner, key, opts) for name, opts in OPTION_SETS.items()}
     spec = batch_spec(runner.cfg, *key)
-    batch = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), spec)
+    wire = to_wire(jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), spec), spec)
     times = {name: [] for name in built}
     for r in range(rounds + 1):  # round 0 warms the caches, not counted
         order = list(built) if r % 2 else list(reversed(built))
         for name in order:
-            t = time_step(runner, built[name][0], batch)
+            t = time_step(runner, built[name][0], wire)
             if r:
                 times[name].append(t)
     row = dict(key=list(key), load=os.getloadavg()[0])

@@ -22,6 +22,7 @@ import time
 import jax
 
 from hetero_jax import Engine, EngineConfig, GenerateRequest, SamplingParams
+from hetero_jax.runner.wire import to_wire
 
 PARAMS = SamplingParams(max_tokens=1800, temperature=0, ignore_eos=True)
 
@@ -61,9 +62,10 @@ def device_times(engine: Engine, batch: tuple, n: int) -> list:
     blocked on (it rewrites K/V the step already wrote: the bench reads no tokens)."""
     runner, (key, packed_batch) = engine.runner, batch
     fn, times = runner.executable(key), []
+    wire = to_wire(packed_batch, runner.spec(key))
     for _ in range(n):
         t0 = time.perf_counter()
-        runner.state, packed = fn(runner.params, runner.state, packed_batch)
+        runner.state, packed, _ = fn(runner.params, runner.state, *wire)
         jax.block_until_ready(packed)
         times.append(time.perf_counter() - t0)
     return times

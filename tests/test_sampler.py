@@ -1,10 +1,12 @@
 """The on-device sampler: hand-computed cases and invariants."""
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from hetero_jax import Engine, EngineConfig, SamplingParams
-from hetero_jax.runner.sampler import SamplingKnobs, sample
+from hetero_jax.runner.sampler import SamplingKnobs, needs, sample, top_k
+from hetero_jax.sched.request import GenKnobs
 
 
 def knobs(n, temperature=1.0, top_k=0, top_p=1.0, seed=0, step=0, presence=0.0, frequency=0.0,
@@ -71,3 +73,48 @@ def test_seeded_sampling_is_reproducible_and_batch_independent():
 def test_bad_sampling_params(kw, match):
     with pytest.raises(ValueError, match=match):
         SamplingParams(**kw)
+
+
+@pytest.mark.parametrize("s,v,k", [(1, 128_256, 5), (3, 20_000, 20), (2, 8_193, 1),
+                                   (100, 20_000, 5)])  # the last: 1,000 rows, at the bound
+def test_top_k_in_two_rounds_is_lax_top_k(s, v, k):
+    """Ties (values drawn from a few levels) and -inf included: the same values and ids,
+    the lower id first among equals."""
+    rng = np.random.default_rng(v)
+    x = rng.integers(0, 7, (s, v)).astype(np.float32)
+    x[:, rng.integers(0, v, 50)] = -np.inf
+    got, want = top_k(jnp.asarray(x), k), jax.lax.top_k(jnp.asarray(x), k)
+    np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
+    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+
+
+def test_needs_reads_the_sampled_rows_knobs():
+    greedy = GenKnobs(0.0, 0, 1.0, 0, None)
+    assert needs([greedy, greedy]) == (False, False, False) and not any(needs([]))
+    assert needs([greedy, GenKnobs(0.5, 0, 1.0, 0, None)]) == (False, True, False)
+    assert needs([GenKnobs(0.0, 0, 1.0, 0, None, repetition=1.1)]) == (True, False, False)
+    assert needs([GenKnobs(0.0, 0, 1.0, 0, None, presence=0.1)]) == (True, False, False)
+    assert needs([greedy, GenKnobs(0.0, 0, 1.0, 0, 3)]) == (False, False, True)
+    assert needs([GenKnobs(0.0, 0, 1.0, 0, 0)]) == (False, False, False)  # logprobs=0: none
+
+
+def test_a_row_without_penalty_or_temperature_is_the_same_either_way():
+    """The step's greedy sampler and the re-sampler (penalties, temperatures, top log-probs on)
+    give a greedy, unpenalized row the same token and log-prob, beside rows that use them; the
+    top log-probs are the model's, there only when asked."""
+    rng = np.random.default_rng(0)
+    logits = jnp.asarray(rng.standard_normal((4, 300)).astype(np.float32))
+    k = knobs(4, temperature=0.0, kv_len=5, prompt_len=3)
+    k = k.replace(temperature=jnp.array([0, 1.0, 0, 0.7], jnp.float32),
+                  repetition=jnp.array([1, 1, 1.3, 1], jnp.float32))
+    table, pages = jnp.asarray(rng.integers(0, 300, 64), jnp.int32), jnp.zeros((4, 4), jnp.int32)
+    both = np.asarray(sample(logits, k, 3, table, pages, 16))
+    greedy = np.asarray(sample(logits, k, 3, table, pages, 16, penalized=False,
+                               filtered=False, ranked=False))
+    np.testing.assert_array_equal(both[0, :2], greedy[0, :2])  # token and its log-prob
+    assert not greedy[:, 2:].any()  # no top log-probs unless ranked
+    top = np.asarray(sample(logits, k, 3, table, pages, 16, penalized=False, filtered=False))
+    np.testing.assert_array_equal(top[:, :2], greedy[:, :2])
+    np.testing.assert_array_equal(top[:, 2:], both[:, 2:])  # the model's, whatever is drawn
+    order = np.argsort(-np.asarray(logits), axis=-1, kind="stable")[:, :3]
+    np.testing.assert_array_equal(top[:, 2:5], order)

@@ -59,15 +59,19 @@ def test_greedy_with_penalties_equals_a_float64_reference_over_200_steps(engine)
         assert token == best or ref[best] - ref[token] < 1e-4, f"step {t}: {token=} {best=}"
 
 
-def test_penalties_compile_nothing_new(engine):
-    """The penalties are per-row arrays in the one sampler: a penalized run of the same shapes
-    as an unpenalized one builds no executable."""
+def test_penalties_compile_no_step_variant(engine):
+    """The penalties are per-row arrays: a penalized run of the same shapes as a greedy one
+    builds no step variant, only the small re-samplers its steps ask for (a greedy run asks
+    for none)."""
     prompts = ["abc", "hello there"]
+    resamplers = engine.runner.resampler.builds
     engine.generate(prompts, SamplingParams(max_tokens=5, temperature=0), use_tqdm=False)
     before = engine.stats.compiles
+    assert engine.runner.resampler.builds == resamplers
     engine.generate(prompts, SamplingParams(max_tokens=5, temperature=0.7, seed=1,
                                             **PENALTIES), use_tqdm=False)
     assert engine.stats.compiles == before
+    assert engine.runner.resampler.builds > resamplers
 
 
 def test_n_samples_are_reproducible_and_each_is_its_seeded_request(engine):

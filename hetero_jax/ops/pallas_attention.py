@@ -121,7 +121,9 @@ def _work_list(kv_lens, cu_q_lens, num_seqs, num_tokens, block_q, num_items, max
     blocks = pl.cdiv(lens, block_q)  # [S+1]
     first_block = jnp.cumsum(blocks) - blocks
     w = jnp.arange(num_items)
-    seq = jnp.clip(jnp.searchsorted(first_block + blocks, w, side="right"), 0, s)  # [W]
+    # compare_all, not the default scan: no while loop, which a GPU runs from the host
+    seq = jnp.clip(jnp.searchsorted(first_block + blocks, w, side="right",
+                                    method="compare_all"), 0, s)  # [W]
     live = w < first_block[-1] + blocks[-1]
     off = (w - first_block[seq]) * block_q
     q_count = jnp.where(live, jnp.clip(lens[seq] - off, 0, block_q), 0)

@@ -3,10 +3,15 @@
 In: the decoder's `ScheduledItem`s of one step (plain host data from the scheduler). Out:
 `RunnerOutput` with one sampled token per item that ends at its request's last token, and
 one pooled vector per embedding request whose last chunk ran. The step is
-`(params, state, batch) -> (state, packed)`; the state (KV cache and pooler sums) is donated,
-so XLA updates it in place; `packed` (layout: `packed.PackedLayout`) is the only device->host
-copy. Token layout of a step (sorted by kind): embedding chunks, prefill chunks, decode
-tokens, padding (`batch.pack_batch`). Executables are compiled ahead of time per bucket
+`(params, state, ints, floats) -> (state, packed, logits)`: the batch comes as its two-array
+wire (`wire.py`: two host->device copies, not one per array); the state (KV cache and pooler
+sums) is donated, so XLA updates it in place; `packed` (layout: `packed.PackedLayout`) is the
+only device->host copy, started as soon as the step is dispatched. The step samples greedily;
+a step with a penalty, a temperature or top log-probs is re-sampled from its `logits` by a
+second, small executable, chosen on the host (`sampler.needs`), so no step holds a
+`lax.cond`, which a GPU would run from the host, waiting for the kernels before it. Token
+layout of a step (sorted by kind): embedding chunks, prefill chunks, decode tokens, padding
+(`batch.pack_batch`). Executables are compiled ahead of time per bucket
 variant `(T, S, Sc, pages_per_seq, second_pages)` (`batch.py`) and kept in an
 `ExecutableCache` (bounded by the process's memory mappings), so `compiles` is exact and
 `warmup(keys)` can build every variant (each build is announced on stderr, "compiling step
@@ -38,7 +43,8 @@ from hetero_jax.runner.compile_progress import CompileNotice
 from hetero_jax.runner.executables import ExecutableCache, WarmManifest, compile_options, \
     enable_compile_cache
 from hetero_jax.runner.packed import PackedLayout
-from hetero_jax.runner.sampler import sample
+from hetero_jax.runner.sampler import Needs, needs, sample
+from hetero_jax.runner.wire import from_wire, to_wire, wire_spec
 from hetero_jax.sched import EMBED, RunnerOutput, SchedulerOutput
 from hetero_jax.warn import warn
 
@@ -64,15 +70,18 @@ class Launched:
     compile_s: float  # the runner's compile seconds at dispatch
 
 
-def step(params, state: DeviceState, batch: StepBatch, *, model_cfg: ModelConfig,
+def step(params, state: DeviceState, ints, floats, *, spec: StepBatch, model_cfg: ModelConfig,
          layout: PackedLayout, max_q_len: int, chunk_pages: int | None, impl: str,
          interpret: bool, page_size: int, head=None, wrap_attention=None):
-    """One mixed forward pass -> (state, packed f32 [layout.size]).
+    """One mixed forward pass over the batch of shape structs `spec`, sent as its wire
+    (`ints`, `floats`) -> (state, packed f32 [layout.size], logits f32 [S, V]).
 
     The LM head runs only on the S sampled rows; the pooler only when the step has chunk rows.
+    The packed rows hold greedy tokens (`resample` replaces them where the host asks).
     `wrap_attention(attn_fn) -> attn_fn`, when given, places the attention (the sharded
     runner's `shard_map` of the Pallas kernel).
     """
+    batch = from_wire(spec, ints, floats)
     attn_fn = functools.partial(ragged_paged_attention, impl=impl, max_q_len=max_q_len,
                                 num_multi_query_seqs=layout.num_chunk_seqs,
                                 chunk_pages=chunk_pages, interpret=interpret)
@@ -92,7 +101,7 @@ def step(params, state: DeviceState, batch: StepBatch, *, model_cfg: ModelConfig
                          method=llama.LlamaModel.logits)  # [S, V]
     tokens = state.tokens.at[batch.slots].set(batch.tokens)
     rows = sample(logits, batch.knobs, layout.num_logprobs, tokens, batch.meta.page_indices,
-                  page_size)  # [S, 2 + 2K]
+                  page_size, penalized=False, filtered=False, ranked=False)  # [S, 2 + 2K]
     pool, vectors, side = state.pool, None, state.sidecar
     if layout.num_chunk_seqs:
         pool, vectors = pooler.update(
@@ -100,7 +109,20 @@ def step(params, state: DeviceState, batch: StepBatch, *, model_cfg: ModelConfig
             batch.meta.page_indices[:layout.num_chunk_seqs], page_size)
     if side is not None:
         side = pooler.write_sidecar(side, hidden, batch.positions, batch.slots, page_size)
-    return DeviceState(kv, pool, side, tokens), layout.pack(rows, vectors)
+    return DeviceState(kv, pool, side, tokens), layout.pack(rows, vectors), logits
+
+
+def resample(logits, table, ints, floats, packed, *, spec: StepBatch, layout: PackedLayout,
+             page_size: int, needs: Needs):
+    """A step's sampled rows again, from its `logits` with what its rows ask past greedy
+    (`needs`: penalties, temperatures, top log-probs; the knobs from its batch `spec`, sent as
+    `ints`, `floats`), over the greedy rows of its `packed` output; `table`: the token table
+    after the step."""
+    batch = from_wire(spec, ints, floats)
+    rows = sample(logits, batch.knobs, layout.num_logprobs, table, batch.meta.page_indices,
+                  page_size, penalized=needs.penalized, filtered=needs.filtered,
+                  ranked=needs.ranked)
+    return jax.lax.dynamic_update_slice(packed, rows.reshape(-1), (0,))
 
 
 def zero_state(model_cfg: ModelConfig, cfg: EngineConfig) -> DeviceState:
@@ -127,7 +149,8 @@ def bind_step(model_cfg: ModelConfig, cfg: EngineConfig, key: tuple, *, impl: st
     of them, e.g. `wrap_attention`)."""
     t, _, sc, _, second = key
     return functools.partial(
-        step, model_cfg=model_cfg, layout=layout_of(model_cfg, cfg, key),
+        step, spec=batch_spec(cfg, *key), model_cfg=model_cfg,
+        layout=layout_of(model_cfg, cfg, key),
         max_q_len=min(cfg.chunk_size, t), chunk_pages=second if sc else None, impl=impl,
         interpret=interpret, page_size=cfg.page_size, head=cfg.buffered_head, **kw)
 
@@ -157,6 +180,8 @@ class DecoderRunner:
         self.interpret = self.impl == "pallas" and backend != "gpu"  # Pallas off-GPU: interpret
         self.notice = CompileNotice(len(cfg.variants()))
         self.executable = ExecutableCache(self._build, on_build=self._announce)
+        self.resampler = ExecutableCache(self._compile_resample)  # (key, Needs)
+        self.specs: dict = {}  # variant key -> its batch_spec
         self.compile_cache = enable_compile_cache(cfg.compile_cache)
         self.cascade_steps = 0
 
@@ -197,7 +222,13 @@ class DecoderRunner:
 
     @property
     def compile_s(self) -> float:
-        return self.executable.seconds
+        return self.executable.seconds + self.resampler.seconds
+
+    def spec(self, key: tuple) -> StepBatch:
+        """The batch shape structs of variant `key`."""
+        if key not in self.specs:
+            self.specs[key] = batch_spec(self.cfg, *key)
+        return self.specs[key]
 
     def layout(self, key: tuple) -> PackedLayout:
         return layout_of(self.model_cfg, self.cfg, key)
@@ -224,7 +255,22 @@ class DecoderRunner:
 
     def _compile(self, key: tuple):
         fn = jax.jit(self.step_fn(key), donate_argnums=(1,))
-        return fn.lower(self.params, self.state, batch_spec(self.cfg, *key)).compile(
+        return fn.lower(self.params, self.state, *wire_spec(self.spec(key))).compile(
+            compiler_options=compile_options(jax.default_backend()) or None)
+
+    def _compile_resample(self, how: tuple):
+        """The re-sampler of `how` = (variant key, `Needs`)."""
+        key, what = how
+        layout = self.layout(key)
+        fn = jax.jit(functools.partial(
+            resample, spec=self.spec(key), layout=layout, page_size=self.cfg.page_size,
+            needs=what), donate_argnums=(4,))
+        f32 = lambda *shape: jax.ShapeDtypeStruct(  # noqa: E731
+            shape, jnp.float32, sharding=self.replicated())
+        ints, floats = (jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self.replicated())
+                        for x in wire_spec(self.spec(key)))
+        return fn.lower(f32(key[1], self.model_cfg.vocab_size), self.state.tokens, ints,
+                        floats, f32(layout.size)).compile(
             compiler_options=compile_options(jax.default_backend()) or None)
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
@@ -239,11 +285,24 @@ class DecoderRunner:
 
     def launch(self, items: list, key: tuple, batch) -> Launched:
         """Dispatch a packed step (`batch.pack_batch` of `items`) without waiting for it: jax
-        runs it asynchronously, and `collect` blocks on its results."""
+        runs it asynchronously (the re-sampler after it where a sampled row has a penalty, a
+        temperature or asks for log-probs, and the copy of its output to the host), and
+        `collect` blocks on its results. The wire goes as numpy: the executable's own copy
+        costs the host less than a `jax.device_put` first."""
         t0, compile0 = time.perf_counter(), self.compile_s
-        self.state, packed = self.executable(key)(self.params, self.state, batch)
+        wire = to_wire(batch, self.spec(key))
+        self.state, packed, logits = self.executable(key)(self.params, self.state, *wire)
+        what = needs([it.knobs for it in items if it.samples])
+        if any(what):
+            packed = self.resampler((key, what))(logits, self.state.tokens, *wire, packed)
+        packed.copy_to_host_async()
         self.cascade_steps += is_cascade(key)
         return Launched(items, key, packed, t0, compile0)
+
+    def replicated(self) -> jax.sharding.Sharding | None:
+        """Where the batch and the step's outputs live: the default device (None) here, every
+        device of the mesh in the sharded runner."""
+        return None
 
     def collect(self, launched: Launched) -> RunnerOutput:
         """Wait for a launched step -> its `RunnerOutput` (the one device->host copy)."""

@@ -26,6 +26,7 @@ from hetero_jax.models.layers import split_layers
 from hetero_jax.ops.pallas_attention import H200_SMS
 from hetero_jax.runner.batch import batch_spec
 from hetero_jax.runner.decoder import bind_step, zero_state
+from hetero_jax.runner.wire import wire_spec
 
 TRITON_TARGET = "__gpu$xla.gpu.triton"
 
@@ -42,16 +43,16 @@ def gpu_config(model_cfg: ModelConfig, cfg: EngineConfig) -> EngineConfig:
 
 
 def step_args(model_cfg: ModelConfig, cfg: EngineConfig, key: tuple) -> tuple:
-    """(params, state, batch) of variant `key` of a resolved `cfg` as shape structs: layer
-    weights in `cfg.dtype` (stacked, or per layer for `layer_loop="unrolled"`), the KV cache
-    and pooler state, the step's batch."""
+    """(params, state, ints, floats) of variant `key` of a resolved `cfg` as shape structs:
+    layer weights in `cfg.dtype` (stacked, or per layer for `layer_loop="unrolled"`), the KV
+    cache and pooler state, the step's batch as its two-array wire (`wire.py`)."""
     dtype = jnp.dtype(cfg.dtype)
     params = jax.tree.map(lambda shape: jax.ShapeDtypeStruct(shape, dtype),
                           llama.param_shapes(model_cfg), is_leaf=lambda x: isinstance(x, tuple))
     if cfg.layer_loop == "unrolled":
         params = jax.eval_shape(split_layers, params)
     state = jax.eval_shape(lambda: zero_state(model_cfg, cfg))
-    return params, state, batch_spec(cfg, *key)
+    return (params, state, *wire_spec(batch_spec(cfg, *key)))
 
 
 def step_for_gpu(model_cfg: ModelConfig, cfg: EngineConfig, key: tuple):

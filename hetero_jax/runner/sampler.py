@@ -5,12 +5,22 @@ recompiles) and, for the penalties, the step's token table (`[num_pages * page_s
 of every token whose K/V is in the cache, at its KV slot) with the rows' page tables: a row's
 history is read in place, as attention reads its K/V. vLLM's penalties (presence, frequency
 over the generated tokens; repetition over prompt and output) change the logits before
-greedy or temperature, inside a `lax.cond` that a step whose rows use none skips. Out: per
+greedy or temperature, only in a step where a row uses one (see below). Out: per
 row the sampled token, its log-prob and the K top ids and log-probs, packed by
 `packed.PackedLayout.sample_rows` into the step's one device->host array.
 Log-probs are those of the model's distribution (before temperature and truncation).
+
+Which parts run is decided on the host (`needs`, from the sampled rows' knobs), not by a
+`lax.cond` on the device: on a GPU XLA runs a conditional from the host, which copies the
+predicate back and waits for every kernel before it (0.9-1.7 ms a step on an H200: "The
+second H200 run" in docs/results.md). So the step samples greedily and leaves the top K
+log-probs out, and the runner re-samples a step where a row has a penalty, a temperature or
+asks for log-probs with `sample(penalized=..., filtered=..., ranked=...)`, a second, small
+executable on the step's logits.
 """
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import flax.struct
 import jax
@@ -31,11 +41,6 @@ class SamplingKnobs:
     repetition: jax.Array  # [S] f32; 1 = off
     kv_len: jax.Array  # [S] int32: tokens of the row's request in the cache (its history)
     prompt_len: jax.Array  # [S] int32: of those, the prompt's (the rest are generated)
-
-    @property
-    def penalized(self) -> jax.Array:
-        """[] bool: whether any row uses a penalty."""
-        return jnp.any((self.presence != 0) | (self.frequency != 0) | (self.repetition != 1))
 
 
 def _row_keys(seed, step):
@@ -81,20 +86,57 @@ def penalize(logits, counts, seen, knobs: SamplingKnobs):
             - knobs.presence[:, None] * (counts > 0).astype(jnp.float32))
 
 
+class Needs(NamedTuple):
+    """What a step's sampled rows ask past greedy sampling (all False: the step's own)."""
+
+    penalized: bool  # a presence, frequency or repetition penalty
+    filtered: bool  # a temperature above 0 (with top-k and top-p)
+    ranked: bool  # top log-probs (SamplingParams.logprobs)
+
+
+def needs(knobs: list) -> Needs:
+    """The `GenKnobs` of a step's sampled rows -> what its re-sampler must do."""
+    return Needs(any(k.penalized for k in knobs), any(k.temperature > 0 for k in knobs),
+                 any(k.logprobs for k in knobs))
+
+
+def top_k(x, k: int, group: int = 2048, max_rows: int = 1024):
+    """x [S, V] -> (values [S, k], ids [S, k]) as `lax.top_k` gives them (ties: the lower id
+    first), in two rounds when V > 4 * group and the groups make at most `max_rows` rows: the
+    top k of each group of `group` columns, then of those. On an H200 one round over rows of
+    128,256 took 123 us at 1, 16 or 64 rows (a row is one thread block's work); two rounds
+    took 14 us at 1 row (63 groups) and 71 us at 16 (1,008), but 257 us at 64 (4,032)."""
+    s, v = x.shape
+    groups = -(-v // group)
+    if v <= 4 * group or k > group or s * groups > max_rows:
+        return jax.lax.top_k(x, k)
+    padded = jnp.pad(x, ((0, 0), (0, groups * group - v)), constant_values=-jnp.inf)
+    values, ids = jax.lax.top_k(padded.reshape(s, groups, group), k)  # [S, G, k]
+    ids = ids + (jnp.arange(groups) * group)[None, :, None]
+    best, at = jax.lax.top_k(values.reshape(s, groups * k), k)  # a group's ids stay in order
+    return best, jnp.take_along_axis(ids.reshape(s, groups * k), at, axis=-1)
+
+
 def sample(logits, knobs: SamplingKnobs, num_logprobs: int, table, page_indices,
-           page_size: int):
+           page_size: int, *, penalized: bool = True, filtered: bool = True,
+           ranked: bool = True):
     """logits [S, V] f32 -> rows [S, 2 + 2 * num_logprobs] f32 (`PackedLayout.sample_rows`).
-    `table` and `page_indices` (see `token_counts`) are read only when a row has a penalty."""
-    def penalized():
-        return penalize(logits, *token_counts(table, page_indices, knobs, logits.shape[-1],
-                                              page_size), knobs)
-    chosen_from = jax.lax.cond(knobs.penalized, penalized, lambda: logits)
-    greedy = jnp.argmax(chosen_from, axis=-1)
-    tokens = jax.lax.cond(jnp.any(knobs.temperature > 0),
-                          lambda: jnp.where(knobs.temperature > 0,
-                                            _sample_filtered(chosen_from, knobs), greedy),
-                          lambda: greedy)
+    `penalized`: apply the rows' penalties (reading `table` and `page_indices`, see
+    `token_counts`); `filtered`: draw the rows with a temperature; `ranked`: the top
+    `num_logprobs` ids and log-probs (else zeros). All False: greedy, with the chosen token's
+    log-prob. A row whose knobs ask for none gets the same token and log-prob either way
+    (`needs` says which to ask)."""
+    chosen_from = logits
+    if penalized:
+        chosen_from = penalize(logits, *token_counts(table, page_indices, knobs,
+                                                     logits.shape[-1], page_size), knobs)
+    tokens = jnp.argmax(chosen_from, axis=-1)
+    if filtered:
+        tokens = jnp.where(knobs.temperature > 0, _sample_filtered(chosen_from, knobs), tokens)
     logprobs = jax.nn.log_softmax(logits, axis=-1)
     chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)
-    top_lp, top_ids = jax.lax.top_k(logprobs, num_logprobs)
+    if ranked:
+        top_lp, top_ids = top_k(logprobs, num_logprobs)
+    else:
+        top_lp = top_ids = jnp.zeros((logits.shape[0], num_logprobs), jnp.float32)
     return PackedLayout.sample_rows(tokens, chosen[:, 0], top_ids, top_lp)

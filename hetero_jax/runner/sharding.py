@@ -5,9 +5,9 @@ degree N (`EngineConfig.tensor_parallel`: the `Engine` builds this runner when N
 `check_tensor_parallel` passed on the model's config before any weights were made or read)
 and the devices. Out: a `ShardedDecoderRunner`, the `DecoderRunner` whose params,
 KV cache and jitted step are laid out on the mesh `("tp",)` of N devices, with explicit
-in/out shardings and the sharded state donated; the batch and the packed output are
-replicated, so the scheduler, the sampler, the pooler and the one device->host copy do not
-change. XLA's SPMD partitioner inserts the collectives: one all-reduce after `wo` and one
+in/out shardings and the sharded state donated; the batch (its wire), the logits and the
+packed output are replicated, so the scheduler, the sampler, the pooler and the one
+device->host copy do not change. XLA's SPMD partitioner inserts the collectives: one all-reduce after `wo` and one
 after `w_down` per layer, and one all-gather of the LM head's vocabulary shards.
 
 The layout is `PARTITION_RULES`, an ordered table of regex -> `PartitionSpec` over a leaf's
@@ -46,7 +46,7 @@ from jax.sharding import PartitionSpec as P
 from hetero_jax.config import EngineConfig
 from hetero_jax.models import llama
 from hetero_jax.models.config import ModelConfig
-from hetero_jax.runner.batch import batch_spec
+from hetero_jax.runner.wire import wire_spec
 from hetero_jax.runner.decoder import DecoderRunner, DeviceState
 from hetero_jax.runner.executables import compile_options
 
@@ -241,12 +241,15 @@ class ShardedDecoderRunner(DecoderRunner):
         build = super().zero_state
         return jax.jit(build, out_shardings=state_shardings(self.mesh, jax.eval_shape(build)))()
 
+    def replicated(self) -> NamedSharding:
+        return NamedSharding(self.mesh, P())
+
     def _compile(self, key: tuple):
-        replicated = NamedSharding(self.mesh, P())
+        replicated = self.replicated()
         fn = jax.jit(self.step_fn(
             key, wrap_attention=functools.partial(shard_attention, mesh=self.mesh)
             if self.impl == "pallas" else None),
-            in_shardings=(self.param_sharding, self.state_sharding, replicated),
-            out_shardings=(self.state_sharding, replicated), donate_argnums=(1,))
-        return fn.lower(self.params, self.state, batch_spec(self.cfg, *key)).compile(
+            in_shardings=(self.param_sharding, self.state_sharding, replicated, replicated),
+            out_shardings=(self.state_sharding, replicated, replicated), donate_argnums=(1,))
+        return fn.lower(self.params, self.state, *wire_spec(self.spec(key))).compile(
             compiler_options=compile_options(jax.default_backend()) or None)
