@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
 # One command on a fresh GPU machine (Python 3.12, jax 0.11.x with its CUDA plugin, no network;
-# or any machine with `pip install -e '.[cuda12]'`). About 6 minutes on one H200, 8 at most:
+# or any machine with `pip install -e '.[cuda12]'`). About 8 minutes on one H200, 12 at most:
 #   1. pytest in ONE process (two would each preallocate the GPU's memory; preallocation is off
 #      too): the Pallas kernel compiled through Triton against the XLA path and the float64
 #      reference (decode, chunks, mixed, any head size, KV splits, the stacked cache), cascade
 #      attention, and the engine's decode, mixed and cascade steps with the kernel against XLA;
 #      with two GPUs also tensor parallelism.
+#      With them the sampler (the two-round top-k on a 128,256 vocabulary) and the batch's wire.
 #   2. scripts/bench_attention.py: decode attention's share of HBM bandwidth, Pallas vs XLA.
+#   2b. scripts/profile_step.py: where a step's time goes, host (pack, launch, collect) and
+#      kernels, decode x1 and x64 at 2,048 cached tokens, with the kernel traces.
 #   3. scripts/bench_forward.py on the `llama-8b-shape` preset in bfloat16: decode at 64 x 2,048
 #      cached tokens against its roofline, and the mixed step against its parts.
 #   4. hetero-jax bench: IBS against homogeneous at 9:1, 5:5 and 1:9 on the same preset.
@@ -32,11 +35,14 @@ GPUS=$("$PY" -c "import jax; print(len(jax.devices()))")
 TP_TESTS=""
 if [ "$GPUS" -ge 2 ]; then TP_TESTS="tests/test_tensor_parallel.py"; fi
 # -p no:xdist -o addopts="": one process, slow tests included (the engine test is slow on CPUs).
-stage pytest timeout 200 "$PY" -m pytest -q -p no:xdist -p no:cacheprovider -o addopts="" \
+stage pytest timeout 300 "$PY" -m pytest -q -p no:xdist -p no:cacheprovider -o addopts="" \
     tests/test_pallas_attention.py tests/test_cascade.py \
     "tests/test_generate.py::test_pallas_attention_engine_matches_xla" $TP_TESTS \
+    tests/test_wire.py tests/test_sampler.py -k "not seeded_sampling" \
     -rfE --tb=short --junitxml "$OUT/pytest.xml"
 stage attention timeout 80 "$PY" scripts/bench_attention.py --out "$OUT"
+stage profile timeout 100 "$PY" scripts/profile_step.py --preset llama-8b-shape --batches 1,64 \
+    --context 2048 --json "$OUT/profile.json" --traces "$OUT/traces"
 stage forward timeout 150 "$PY" scripts/bench_forward.py --preset llama-8b-shape \
     --batches 1,16,64 --context 2048 --chunk 512 --repeats 5 --mixed 4:60:16 \
     --json "$OUT/bench_forward.json"
