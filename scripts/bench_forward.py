@@ -81,7 +81,8 @@ def fake_items(engine, lengths: list, kind: str, first_id: int = 10_000) -> list
 
 def forward_config(batches: list, context: int, chunk: int | None, dtype: str) -> EngineConfig:
     """An engine whose buckets are exactly these decode batches (at `context` cached tokens
-    each) and one `chunk`-token prefill chunk, with pages for the largest case."""
+    each) and one `chunk`-token prefill chunk (None: a 64-token bucket no case uses), with
+    pages for the largest case."""
     chunk = chunk or 64
     max_len = max(1024, context + 16)
     return EngineConfig(token_budget=max(max(batches), chunk), chunk_size=chunk,
