@@ -7,8 +7,9 @@ and the devices. Out: a `ShardedDecoderRunner`, the `DecoderRunner` whose params
 KV cache and jitted step are laid out on the mesh `("tp",)` of N devices, with explicit
 in/out shardings and the sharded state donated; the batch (its wire), the logits and the
 packed output are replicated, so the scheduler, the sampler, the pooler and the one
-device->host copy do not change. XLA's SPMD partitioner inserts the collectives: one all-reduce after `wo` and one
-after `w_down` per layer, and one all-gather of the LM head's vocabulary shards.
+device->host copy do not change. XLA's SPMD partitioner inserts the collectives: one
+all-reduce after `wo` and one after `w_down` per layer, and one all-gather of the LM head's
+vocabulary shards.
 
 The layout is `PARTITION_RULES`, an ordered table of regex -> `PartitionSpec` over a leaf's
 path (`layers/0/wq`, or stacked `layers/wq`, whose leading layer axis is never split);
@@ -46,9 +47,9 @@ from jax.sharding import PartitionSpec as P
 from hetero_jax.config import EngineConfig
 from hetero_jax.models import llama
 from hetero_jax.models.config import ModelConfig
-from hetero_jax.runner.wire import wire_spec
 from hetero_jax.runner.decoder import DecoderRunner, DeviceState
 from hetero_jax.runner.executables import compile_options
+from hetero_jax.runner.wire import wire_spec
 
 # The Pallas kernel's outputs carry no varying-axes type, so shard_map's check must be off.
 try:  # jax >= 0.7 (the experimental module is deprecated, and gone in later releases)
