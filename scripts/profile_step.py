@@ -13,8 +13,7 @@ and, with `--chunk N`, one N-token prefill chunk, under `jax.profiler`. For each
   a sort (the sampler), other elementwise work; kernels no fusion names (cuBLAS GEMMs, the
   Pallas attention kernel, copies) keep their own names. On a CPU, thread time summed over
   XLA's worker threads (it exceeds the wall time when kernels run in parallel); on a GPU,
-  kernel time on the device's streams, with the number of kernels and copies per step and the
-  device's busy share of each step's module span ("XLA Modules").
+  kernel time on the device's streams, with the number of kernels and copies per step.
 
     python scripts/profile_step.py --preset small --batches 16 --context 384
     python3 scripts/profile_step.py --preset llama-8b-shape --batches 1,16,64 --context 2048 \
@@ -63,38 +62,22 @@ def kernel_lines(planes: list) -> list:
     return [line for p in gpu for line in p.lines if line.name.startswith("Stream")]
 
 
-def module_spans(planes: list) -> list:
-    """(start ns, end ns) of each executable run on a GPU ("XLA Modules" line), in order."""
-    return sorted((e.start_ns, e.end_ns) for p in planes if p.name.startswith("/device:GPU")
-                  for line in p.lines if line.name == "XLA Modules" for e in line.events)
-
-
 def read_trace(trace_dir: str, steps: int) -> dict:
-    """A profiled run of `steps` steps -> kernel nanoseconds by name (per step), copies and
-    kernels per step, and on a GPU the device's busy share of the module spans."""
+    """A profiled run of `steps` steps -> kernel nanoseconds by name, kernels and copies,
+    each per step."""
     import jax
 
     (path,) = glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)
     planes = list(jax.profiler.ProfileData.from_file(path).planes)
     times: collections.Counter = collections.Counter()
-    events = []
-    for line in kernel_lines(planes):
-        for e in line.events:
-            if not e.name.startswith(WRAPPERS):
-                times[e.name] += e.duration_ns / steps
-                events.append((e.start_ns, e.end_ns, e.name))
-    copies = sum(1 for *_, name in events if "memcpy" in name.lower())
-    out = dict(times=times, kernels_per_step=(len(events) - copies) / steps,
-               copies_per_step=copies / steps,
-               lines={f"{p.name} | {line.name}": len(list(line.events))
-                      for p in planes for line in p.lines})
-    spans = module_spans(planes)
-    if spans:
-        busy = sum(max(0, min(e, hi) - max(s, lo)) for lo, hi in spans for s, e, _ in events)
-        span = sum(hi - lo for lo, hi in spans)
-        out.update(module_ms=span / len(spans) / 1e6, busy_share=busy / span if span else 0.0,
-                   modules=len(spans))
-    return out
+    events = [e for line in kernel_lines(planes) for e in line.events
+              if not e.name.startswith(WRAPPERS)]
+    for e in events:
+        times[e.name] += e.duration_ns / steps
+    names = [e.name for e in events]
+    copies = sum("memcpy" in name.lower() for name in names)
+    return dict(times=times, kernels_per_step=(len(names) - copies) / steps,
+                copies_per_step=copies / steps)
 
 
 def host_split(engine, step, repeats: int) -> dict:
@@ -153,9 +136,7 @@ def report(row: dict, top: int) -> None:
     print(f"{row['step']}: pack {host['pack']:.2f} + launch {host['launch']:.2f} + collect "
           f"{host['collect']:.2f} = {host['step']:.2f} ms a step; queued {host['queued']:.2f} ms"
           f" a step; kernels {row['kernel_ms']:.2f} ms ({row['kernels_per_step']:.0f} kernels, "
-          f"{row['copies_per_step']:.0f} copies a step)" + (
-              f"; device busy {row['busy_share']:.0%} of a {row['module_ms']:.2f} ms module"
-              if "busy_share" in row else ""))
+          f"{row['copies_per_step']:.0f} copies a step)")
     for kind, ms in list(row["by_kind"].items())[:top]:
         if ms >= 0.01:
             print(f"  {ms:8.3f} ms  {kind}")
