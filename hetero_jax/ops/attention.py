@@ -16,7 +16,8 @@ their own few keys. Left at their defaults (`None`) the hints make the first gro
 everything, which is always correct.
 With a `cascade` plan (`cascade.CascadeMeta`, indices relative to the decode group) the decode
 group reads the pages its sequences share once per tile (`cascade.attend_decode_cascade`);
-the result is the same.
+the result is the same. With `decode_block_pages` (the CPU runner's choice) the decode group
+reads its keys that many pages at a time, only as far as its longest sequence.
 """
 from __future__ import annotations
 
@@ -32,11 +33,13 @@ from hetero_jax.ops.pallas_attention import KernelPlan, ragged_paged_attention_p
 _MASKED = -1e30
 
 
-def _gather_kv(pages, page_indices):
-    """[P, ps, Hkv, D], [S, pps] -> [S, pps * ps, Hkv, D]."""
+def _gather_kv(pages, page_indices, layer=None):
+    """[P, ps, Hkv, D] (or the stacked [L, P, ps, Hkv, D] with `layer`), [S, pps] ->
+    [S, pps * ps, Hkv, D]."""
     s, pps = page_indices.shape
-    _, ps, hkv, d = pages.shape
-    return pages[page_indices].reshape(s, pps * ps, hkv, d)
+    ps, hkv, d = pages.shape[-3:]
+    got = pages[page_indices] if layer is None else pages[layer, page_indices]
+    return got.reshape(s, pps * ps, hkv, d)
 
 
 def _attend(q, k, v, q_pos, kv_lens, sm_scale):
@@ -79,9 +82,49 @@ def _attend_last(q, k, v, kv_lens, sm_scale):
     return out.reshape(s, hq, d)
 
 
-def _ragged_paged_attention_xla(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens,
+def _attend_last_blocks(q, k_pages, v_pages, layer, page_indices, kv_lens, sm_scale,
+                        block_pages):
+    """`_attend_last` over the paged KV read `block_pages` pages at a time, with an online
+    softmax, for as many blocks as the longest sequence fills (a data-dependent trip count):
+    no copy of the whole page bucket, and no keys past the longest `kv_len` gathered.
+    q [S, Hq, D], pages [P, ps, Hkv, D] (or stacked [L, ...] with `layer`: each block gathers
+    from the stack, so the loop holds no copy of the layer), page_indices [S, pps] ->
+    [S, Hq, D]."""
+    s, hq, d = q.shape
+    ps, hkv = k_pages.shape[-3], k_pages.shape[-2]
+    g, width = hq // hkv, block_pages * ps
+    blocks = -(-page_indices.shape[1] // block_pages)
+    page_indices = jnp.pad(page_indices, ((0, 0), (0, blocks * block_pages
+                                                   - page_indices.shape[1])))
+    qg = q.reshape(s, hkv, g, d)
+
+    def block(i, carry):
+        top, total, acc = carry  # running max, softmax denominator, weighted values
+        pages = jax.lax.dynamic_slice_in_dim(page_indices, i * block_pages, block_pages, 1)
+        k, v = _gather_kv(k_pages, pages, layer), _gather_kv(v_pages, pages, layer)
+        visible = ((i * width + jnp.arange(width))[None, :] < kv_lens[:, None])[..., None, None]
+        scores = jnp.einsum("shgd,slhd->slhg", qg, k, preferred_element_type=jnp.float32)
+        scores = jnp.where(visible, scores * sm_scale, _MASKED)
+        new_top = jnp.maximum(top, scores.max(axis=1))
+        probs = jnp.where(visible, jnp.exp(scores - new_top[:, None]), 0.0)
+        scale = jnp.exp(top - new_top)
+        v = jnp.where(visible, v, 0)  # stale slots: 0 * NaN (see _attend)
+        values = jnp.einsum("slhg,slhd->shgd", probs.astype(v.dtype), v,
+                            preferred_element_type=jnp.float32)
+        return new_top, total * scale + probs.sum(axis=1), acc * scale[..., None] + values
+
+    init = (jnp.full((s, hkv, g), _MASKED, jnp.float32), jnp.zeros((s, hkv, g), jnp.float32),
+            jnp.zeros((s, hkv, g, d), jnp.float32))
+    trips = jnp.minimum((jnp.max(kv_lens, initial=0) + width - 1) // width, blocks)
+    _, total, acc = jax.lax.fori_loop(0, trips, block, init)
+    out = acc / jnp.where(total > 0, total, 1.0)[..., None]  # a sequence with no keys: 0
+    return out.reshape(s, hq, d)
+
+
+def _ragged_paged_attention_xla(q, k_cache, v_cache, layer, kv_lens, page_indices, cu_q_lens,
                                 num_seqs, sm_scale, max_q_len, num_multi_query_seqs, chunk_pages,
-                                cascade):
+                                cascade, decode_block_pages):
+    k_pages, v_pages = (k_cache, v_cache) if layer is None else (k_cache[layer], v_cache[layer])
     t = q.shape[0]
     s = kv_lens.shape[0]
     seq_valid = jnp.arange(s) < num_seqs
@@ -105,7 +148,10 @@ def _ragged_paged_attention_xla(q, k_pages, v_pages, kv_lens, page_indices, cu_q
         out = jnp.where(in_a[:, None, None], out_a[jnp.clip(seq_of_tok, 0, sa - 1), local], out)
     if sa < s:  # the single-query sequences sa.. (decode tokens)
         last = jnp.clip(cu_q_lens[sa + 1:] - 1, 0, t - 1)  # [S - sa]
-        if cascade is None:
+        if cascade is None and decode_block_pages:
+            out_b = _attend_last_blocks(q[last], k_cache, v_cache, layer, page_indices[sa:],
+                                        kv_lens[sa:], sm_scale, decode_block_pages)
+        elif cascade is None:
             out_b = _attend_last(q[last], _gather_kv(k_pages, page_indices[sa:]),
                                  _gather_kv(v_pages, page_indices[sa:]), kv_lens[sa:], sm_scale)
         else:
@@ -116,11 +162,13 @@ def _ragged_paged_attention_xla(q, k_pages, v_pages, kv_lens, page_indices, cu_q
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "impl", "max_q_len",
-                                             "num_multi_query_seqs", "chunk_pages", "interpret"))
+                                             "num_multi_query_seqs", "chunk_pages", "interpret",
+                                             "decode_block_pages"))
 def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *,
                            layer=None, sm_scale=None, impl="xla", max_q_len=None,
                            num_multi_query_seqs=None, chunk_pages=None, interpret=False,
-                           cascade: CascadeMeta | None = None, plan: KernelPlan | None = None):
+                           cascade: CascadeMeta | None = None, plan: KernelPlan | None = None,
+                           decode_block_pages: int | None = None):
     """Attention of ragged new tokens over paged KV; see the module docstring.
 
     q [T, Hq, D]; k_pages, v_pages [P, page_size, Hkv, D], or with `layer` (an int or int32
@@ -130,7 +178,10 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens
     later sequences have one query. `cascade` (arrays; its decode group is sequences
     num_multi_query_seqs.. of S) reads shared prefixes once per tile; the decode rows of
     `page_indices` are then not read. `plan` (Pallas only: `pallas_attention.plan_work` of the
-    step) is the kernel's work list, computed once per step.
+    step) is the kernel's work list, computed once per step. `decode_block_pages` (XLA
+    only): read the decode group's keys that many pages at a time, looping only as far as
+    its longest sequence (a data-dependent loop: for a CPU, where the loop's test is cheap and
+    a gather of the whole page bucket is not); None gathers the bucket at once.
     """
     t, hq, d = q.shape
     s = kv_lens.shape[0]
@@ -139,11 +190,10 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens
     max_q_len = t if max_q_len is None else min(max_q_len, t)
     num_multi_query_seqs = s if num_multi_query_seqs is None else min(num_multi_query_seqs, s)
     if impl == "xla":
-        if layer is not None:
-            k_pages, v_pages = k_pages[layer], v_pages[layer]
-        return _ragged_paged_attention_xla(q, k_pages, v_pages, kv_lens, page_indices,
+        return _ragged_paged_attention_xla(q, k_pages, v_pages, layer, kv_lens, page_indices,
                                            cu_q_lens, num_seqs, sm_scale, max_q_len,
-                                           num_multi_query_seqs, chunk_pages, cascade)
+                                           num_multi_query_seqs, chunk_pages, cascade,
+                                           decode_block_pages)
     if impl == "pallas":
         return ragged_paged_attention_pallas(q, k_pages, v_pages, kv_lens, page_indices,
                                              cu_q_lens, num_seqs, layer=layer, plan=plan,

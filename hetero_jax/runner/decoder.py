@@ -72,19 +72,22 @@ class Launched:
 
 def step(params, state: DeviceState, ints, floats, *, spec: StepBatch, model_cfg: ModelConfig,
          layout: PackedLayout, max_q_len: int, chunk_pages: int | None, impl: str,
-         interpret: bool, page_size: int, head=None, wrap_attention=None):
+         interpret: bool, page_size: int, head=None, wrap_attention=None,
+         decode_block_pages: int | None = None):
     """One mixed forward pass over the batch of shape structs `spec`, sent as its wire
     (`ints`, `floats`) -> (state, packed f32 [layout.size], logits f32 [S, V]).
 
     The LM head runs only on the S sampled rows; the pooler only when the step has chunk rows.
     The packed rows hold greedy tokens (`resample` replaces them where the host asks).
     `wrap_attention(attn_fn) -> attn_fn`, when given, places the attention (the sharded
-    runner's `shard_map` of the Pallas kernel).
+    runner's `shard_map` of the Pallas kernel). `decode_block_pages`: the XLA attention's
+    decode keys read that many pages at a time (`ragged_paged_attention`; the CPU's choice).
     """
     batch = from_wire(spec, ints, floats)
     attn_fn = functools.partial(ragged_paged_attention, impl=impl, max_q_len=max_q_len,
                                 num_multi_query_seqs=layout.num_chunk_seqs,
-                                chunk_pages=chunk_pages, interpret=interpret)
+                                chunk_pages=chunk_pages, interpret=interpret,
+                                decode_block_pages=decode_block_pages)
     attn_fn = attn_fn if wrap_attention is None else wrap_attention(attn_fn)
     model = llama.LlamaModel(model_cfg, attn_fn, unrolled=is_unrolled(params))
     meta = batch.meta
@@ -155,6 +158,27 @@ def bind_step(model_cfg: ModelConfig, cfg: EngineConfig, key: tuple, *, impl: st
         interpret=interpret, page_size=cfg.page_size, head=cfg.buffered_head, **kw)
 
 
+# The CPU's decode keys per block, and the keys a variant's decode rows must hold in their page
+# bucket before the loop pays (scripts/profile_step.py, docs/results.md; 1-2 rows at 512 keys:
+# 1.1-1.3x slower, 4 rows even, 8-32 rows 0.5-0.7x).
+DECODE_BLOCK_TOKENS = 128
+DECODE_BLOCK_MIN_KEYS = 2048
+
+
+def decode_block_pages(impl: str, backend: str, page_size: int, key: tuple) -> int | None:
+    """Pages per block of the XLA attention's decode keys in variant `key`: on a CPU,
+    `DECODE_BLOCK_TOKENS`' worth, so that a decode step reads its keys up to its longest
+    sequence rather than copying the whole page bucket, where that bucket spans more than one
+    block and its rows hold at least `DECODE_BLOCK_MIN_KEYS` keys; else None (one gather). A
+    GPU's XLA path keeps the gather: a data-dependent loop's test would wait for the device."""
+    _, seqs, chunk_seqs, pages, _ = key
+    block = max(1, DECODE_BLOCK_TOKENS // page_size)
+    if (impl, backend) != ("xla", "cpu") or pages <= block \
+            or (seqs - chunk_seqs) * pages * page_size < DECODE_BLOCK_MIN_KEYS:
+        return None
+    return block
+
+
 def _written_to_disk() -> bool:
     """Whether jax writes every compiled executable to the persistent cache (its size and
     compile-time thresholds are off, as `enable_compile_cache` sets them)."""
@@ -178,6 +202,7 @@ class DecoderRunner:
         self.state = self.zero_state()
         self.impl = cfg.impl_on(backend)
         self.interpret = self.impl == "pallas" and backend != "gpu"  # Pallas off-GPU: interpret
+        self.backend = backend
         self.notice = CompileNotice(len(cfg.variants()))
         self.executable = ExecutableCache(self._build, on_build=self._announce)
         self.resampler = ExecutableCache(self._compile_resample)  # (key, Needs)
@@ -235,8 +260,9 @@ class DecoderRunner:
 
     def step_fn(self, key: tuple, **kw):
         """`step` with the static arguments of variant `key` bound (`kw`: more of them)."""
+        blocks = decode_block_pages(self.impl, self.backend, self.cfg.page_size, key)
         return bind_step(self.model_cfg, self.cfg, key, **dict(
-            dict(impl=self.impl, interpret=self.interpret), **kw))
+            dict(impl=self.impl, interpret=self.interpret, decode_block_pages=blocks), **kw))
 
     def _announce(self, key: tuple) -> None:
         """The cache's `on_build`: "compiling step variant k/N", or "loading" when the warm
