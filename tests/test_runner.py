@@ -60,3 +60,23 @@ def test_step_lies_embeddings_then_prefills_then_decodes_on_the_token_axis():
         used = -(-int(batch.meta.kv_lens[i]) // ps)
         assert batch.meta.page_indices[i, :used].tolist() == req.pages[:used]
     assert batch.slots[26] == decoding.pages[4 // ps] * ps + 4 % ps, "the decode's K/V slot"
+
+
+def test_cpu_runner_keeps_the_mlp_feature_major_and_other_backends_row_major():
+    """On a CPU the runner stores the MLP transposed (faster few-row matmuls there); on a GPU
+    it keeps the loaders' layout; either way the same greedy tokens come out (the model test
+    checks the numbers against transformers)."""
+    from hetero_jax import Engine, SamplingParams
+    from hetero_jax.models import llama
+    from hetero_jax.models.layers import is_feature_major, is_unrolled
+
+    cfg = EngineConfig(max_model_len=64)
+    engine, row = (Engine.from_preset("tiny", seed=1, config=cfg) for _ in range(2))
+    assert is_feature_major(engine.runner.params) and is_unrolled(engine.runner.params)
+    assert not row.runner.executable.held(), "nothing compiled yet: the layout may change"
+    row.runner.params = row.runner.layout_params(llama.init_params(row.model_cfg, 1), "gpu")
+    assert not is_feature_major(row.runner.params) and is_unrolled(row.runner.params)
+    sp = SamplingParams(max_tokens=8, temperature=0)
+    feature, rows = (e.generate(["feature major"], sp, use_tqdm=False)[0].token_ids
+                     for e in (engine, row))
+    assert feature == rows

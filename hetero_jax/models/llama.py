@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from hetero_jax.models.config import ModelConfig
-from hetero_jax.models.layers import is_unrolled
+from hetero_jax.models.layers import MLP_WEIGHTS, is_feature_major, is_unrolled
 from hetero_jax.models.lora import lora_delta, projection_dims
 from hetero_jax.ops.cascade import CascadeMeta
 from hetero_jax.ops.pallas_attention import KernelPlan
@@ -149,6 +149,30 @@ def _linear(lp, name, x, adapter_ids):
     return y
 
 
+def _mlp(lp, y, adapter_ids):
+    """The gated MLP of y [T, d] -> [T, d] (row-major weights `w_gate`, `w_up`, `w_down`)."""
+    gate, up = _linear(lp, "w_gate", y, adapter_ids), _linear(lp, "w_up", y, adapter_ids)
+    return _linear(lp, "w_down", jax.nn.silu(gate) * up, adapter_ids)
+
+
+def _mlp_feature_major(lp, y, adapter_ids):
+    """`_mlp` over the transposed weights of `layers.feature_major_mlp` ([out, in]), on [d, T]
+    activations; a token's LoRA delta is added transposed. The barriers keep XLA from folding
+    the two transposes into the matmuls, which would put the weights' input dimension first
+    again."""
+    def lora(name, x_rows):
+        if adapter_ids is None or f"lora_a_{name}" not in lp:
+            return 0.0
+        return lora_delta(x_rows, lp[f"lora_a_{name}"], lp[f"lora_b_{name}"], adapter_ids).T
+
+    cols = jax.lax.optimization_barrier(y.T)  # [d, T]
+    gate = lp["w_gate_t"] @ cols + lora("w_gate", y)
+    up = lp["w_up_t"] @ cols + lora("w_up", y)
+    act = jax.nn.silu(gate) * up  # [F, T]
+    out = lp["w_down_t"] @ act + lora("w_down", act.T)
+    return jax.lax.optimization_barrier(out).T
+
+
 def _qkv(cfg, lp, x, adapter_ids=None):
     t = x.shape[0]
     q, k, v = (_linear(lp, w, x, adapter_ids) for w in ("wq", "wk", "wv"))
@@ -178,17 +202,22 @@ class Block(nn.Module):
     `[layer, page, offset]` and attends over `[layer]`; the attention gets the whole cache and
     the layer index, so no layer's pages are sliced out (a copy) in front of a custom call.
 
-    Params are `layer_shapes` without the layer axis, plus the `lora_a_<w>` [A, in, r] /
+    Params are `layer_shapes` without the layer axis (with `feature_mlp`, the MLP's as
+    `<w>_t` [out, in]: `layers.feature_major_mlp`), plus the `lora_a_<w>` [A, in, r] /
     `lora_b_<w>` [A, r, out] leaves where the params carry them (never created here).
     """
 
     cfg: ModelConfig
     attn_fn: Callable
+    feature_mlp: bool = False
 
     def _weights(self) -> dict:
         """This layer's params by name; LoRA leaves only where the params have them."""
-        lp = {name: self.param(name, _init(name), shape[1:])
-              for name, shape in layer_shapes(self.cfg).items()}
+        shapes = {name: shape[1:] for name, shape in layer_shapes(self.cfg).items()}
+        if self.feature_mlp:
+            shapes = {(f"{k}_t" if k in MLP_WEIGHTS else k): (v[::-1] if k in MLP_WEIGHTS else v)
+                      for k, v in shapes.items()}
+        lp = {name: self.param(name, _init(name), shape) for name, shape in shapes.items()}
         lora = (f"lora_{half}_{w}" for w in projection_dims(self.cfg) for half in "ab")
         lp.update({n: self.get_variable("params", n) for n in lora
                    if self.has_variable("params", n)})
@@ -208,8 +237,7 @@ class Block(nn.Module):
                          plan=x.meta.plan)
         h = h + _linear(lp, "wo", o.reshape(h.shape[0], -1).astype(h.dtype), ids)
         y = rms_norm(h, lp["mlp_norm"], cfg.rms_norm_eps)
-        gate, up = _linear(lp, "w_gate", y, ids), _linear(lp, "w_up", y, ids)
-        h = h + _linear(lp, "w_down", jax.nn.silu(gate) * up, ids)
+        h = h + (_mlp_feature_major if self.feature_mlp else _mlp)(lp, y, ids)
         return (h, k_cache, v_cache), None
 
 
@@ -223,11 +251,13 @@ class UnrolledBlocks(nn.Module):
 
     cfg: ModelConfig
     attn_fn: Callable
+    feature_mlp: bool = False
 
     @nn.compact
     def __call__(self, carry, x: LayerInputs):
         for layer in range(self.cfg.num_layers):
-            carry, _ = Block(self.cfg, self.attn_fn, name=str(layer))(carry, layer, x)
+            carry, _ = Block(self.cfg, self.attn_fn, self.feature_mlp, name=str(layer))(
+                carry, layer, x)
         return carry
 
 
@@ -235,13 +265,15 @@ class LlamaModel(nn.Module):
     """The decoder (`__call__`) and its LM head (`logits`) over the params pytree above.
 
     `attn_fn(q, k_cache, v_cache, kv_lens, page_indices, cu_q_lens, num_seqs, layer=, cascade=,
-    plan=)` is a ragged paged attention over the stacked cache with its static hints bound (None when only `logits` runs); `unrolled`
-    must match the params layout (`is_unrolled`).
+    plan=)` is a ragged paged attention over the stacked cache with its static hints bound
+    (None when only `logits` runs); `unrolled` and `feature_mlp` must match the params layout
+    (`is_unrolled`, `is_feature_major`).
     """
 
     cfg: ModelConfig
     attn_fn: Callable | None = None
     unrolled: bool = False
+    feature_mlp: bool = False
 
     def setup(self):
         shapes = param_shapes(self.cfg)
@@ -250,7 +282,7 @@ class LlamaModel(nn.Module):
         if not self.cfg.tie_word_embeddings:
             self.lm_head = self.param("lm_head", _init("lm_head"), shapes["lm_head"])
         blocks = UnrolledBlocks if self.unrolled else ScannedBlocks
-        self.layers = blocks(self.cfg, self.attn_fn)
+        self.layers = blocks(self.cfg, self.attn_fn, self.feature_mlp)
 
     def __call__(self, tokens, positions, slots, kv: KVCache, meta: AttnMeta, adapter_ids=None):
         """tokens/positions/slots [T] -> hidden [T, d] after the final norm, updated KVCache.
@@ -279,7 +311,8 @@ class LlamaModel(nn.Module):
 def forward(params, cfg: ModelConfig, tokens, positions, slots, kv: KVCache, meta: AttnMeta,
             attn_fn, adapter_ids=None):
     """`LlamaModel.__call__` as a function of the params (stacked or `split_layers`)."""
-    model = LlamaModel(cfg, attn_fn, unrolled=is_unrolled(params))
+    model = LlamaModel(cfg, attn_fn, unrolled=is_unrolled(params),
+                       feature_mlp=is_feature_major(params))
     return model.apply({"params": params}, tokens, positions, slots, kv, meta, adapter_ids)
 
 

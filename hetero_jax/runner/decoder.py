@@ -34,7 +34,8 @@ import numpy as np
 from hetero_jax.config import EngineConfig
 from hetero_jax.models import llama
 from hetero_jax.models.config import ModelConfig
-from hetero_jax.models.layers import for_layer_loop, is_unrolled
+from hetero_jax.models.layers import feature_major_mlp, for_layer_loop, is_feature_major, \
+    is_unrolled
 from hetero_jax.ops import ragged_paged_attention
 from hetero_jax.ops.pallas_attention import default_block_q, plan_work
 from hetero_jax.runner import pooler
@@ -89,7 +90,8 @@ def step(params, state: DeviceState, ints, floats, *, spec: StepBatch, model_cfg
                                 chunk_pages=chunk_pages, interpret=interpret,
                                 decode_block_pages=decode_block_pages)
     attn_fn = attn_fn if wrap_attention is None else wrap_attention(attn_fn)
-    model = llama.LlamaModel(model_cfg, attn_fn, unrolled=is_unrolled(params))
+    model = llama.LlamaModel(model_cfg, attn_fn, unrolled=is_unrolled(params),
+                             feature_mlp=is_feature_major(params))
     meta = batch.meta
     if impl == "pallas":  # the kernel's work list, once per step rather than once per layer
         meta = meta.replace(plan=plan_work(
@@ -198,7 +200,7 @@ class DecoderRunner:
                  "small preset's 16-token decode step: 4.9 s in bfloat16 vs 28 ms in "
                  "float32); use float32 on a CPU")
         self.model_cfg, self.cfg = model_cfg, cfg
-        self.params = for_layer_loop(params, cfg.layer_loop)
+        self.params = self.layout_params(params, backend)
         self.state = self.zero_state()
         self.impl = cfg.impl_on(backend)
         self.interpret = self.impl == "pallas" and backend != "gpu"  # Pallas off-GPU: interpret
@@ -209,6 +211,12 @@ class DecoderRunner:
         self.specs: dict = {}  # variant key -> its batch_spec
         self.compile_cache = enable_compile_cache(cfg.compile_cache)
         self.cascade_steps = 0
+
+    def layout_params(self, params, backend: str) -> dict:
+        """`params` laid out for this runner: for `cfg.layer_loop`, and on a CPU with the MLP's
+        weights transposed (`layers.feature_major_mlp`: 1.1-1.3x faster decode steps there)."""
+        params = for_layer_loop(params, self.cfg.layer_loop)
+        return feature_major_mlp(params) if backend == "cpu" else params
 
     def zero_state(self) -> DeviceState:
         """A fresh KV cache and pooler state (the sharded runner builds it on its mesh)."""

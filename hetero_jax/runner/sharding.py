@@ -47,6 +47,7 @@ from jax.sharding import PartitionSpec as P
 from hetero_jax.config import EngineConfig
 from hetero_jax.models import llama
 from hetero_jax.models.config import ModelConfig
+from hetero_jax.models.layers import for_layer_loop
 from hetero_jax.runner.decoder import DecoderRunner, DeviceState
 from hetero_jax.runner.executables import compile_options
 from hetero_jax.runner.wire import wire_spec
@@ -236,6 +237,10 @@ class ShardedDecoderRunner(DecoderRunner):
         self.param_sharding = param_shardings(self.mesh, self.params)
         self.state_sharding = state_shardings(self.mesh, self.state)
         self.params = jax.tree.map(place, self.params, self.param_sharding)
+
+    def layout_params(self, params, backend: str) -> dict:
+        """For `cfg.layer_loop` only: the shardings name the MLP's row-major weights."""
+        return for_layer_loop(params, self.cfg.layer_loop)
 
     def zero_state(self) -> DeviceState:
         """The fresh state made on the mesh: each device zeroes its own KV shard."""

@@ -34,7 +34,7 @@ from hetero_jax.models import llama, lora
 from hetero_jax.models.config import ModelConfig
 from hetero_jax.models.formats.hf_llama import load_params, read_model_config
 from hetero_jax.models.formats.peft import load_adapter
-from hetero_jax.models.layers import stack_layers
+from hetero_jax.models.layers import row_major_mlp, stack_layers
 from hetero_jax.models.presets import preset_config, preset_dir, require_local_dir
 from hetero_jax.models.tokenizer import ByteTokenizer, load_tokenizer
 from hetero_jax.outputs import EngineStats
@@ -154,7 +154,8 @@ class Engine(BatchAPI):
     def save(self, path: str) -> None:
         """An engine-native checkpoint (orbax): the base params, model config and tokenizer.
         LoRA adapters are not saved: load them again from their PEFT directories."""
-        params = stack_layers(unexpand_kv_heads(self.model_cfg, self.runner.params))
+        params = stack_layers(unexpand_kv_heads(self.model_cfg,
+                                                row_major_mlp(self.runner.params)))
         layers = {k: v for k, v in params["layers"].items() if not k.startswith("lora_")}
         checkpoint.save(path, self.model_cfg, dict(params, layers=layers), self.tokenizer)
 
