@@ -223,7 +223,7 @@ def ridge_budget(model, amortized: float = AMORTIZED, lo: int = 16, hi: int = 81
     memory-bound step, a CPU step's intercept) is not yet paid off; above it, every token
     more only lengthens the step that each running decode waits for. A roofline reaches it
     at its ridge (about 150 tokens for a 7B bf16 model on an A100 or an H200: 256); a linear
-    fit at ridge / `amortized`, its ridge being intercept / cost per token (about 31 tokens
+    fit at ridge / `amortized`, its ridge being intercept / cost per token (about 17 tokens
     on this CPU: 256)."""
     def cost(n: int) -> float:
         return model.step_time(StepShape(prefill_tokens=n, seqs=1, context_tokens=n))
