@@ -161,8 +161,8 @@ def bind_step(model_cfg: ModelConfig, cfg: EngineConfig, key: tuple, *, impl: st
 
 
 # The CPU's decode keys per block, and the keys a variant's decode rows must hold in their page
-# bucket before the loop pays (scripts/profile_step.py, docs/results.md; 1-2 rows at 512 keys:
-# 1.1-1.3x slower, 4 rows even, 8-32 rows 0.5-0.7x).
+# bucket before the loop pays (docs/results.md: 1-2 rows at 512 keys 1.1-1.3x slower, 4 rows
+# even, 8-32 rows at 130-380 tokens 0.71-0.90x the step time).
 DECODE_BLOCK_TOKENS = 128
 DECODE_BLOCK_MIN_KEYS = 2048
 
@@ -214,7 +214,7 @@ class DecoderRunner:
 
     def layout_params(self, params, backend: str) -> dict:
         """`params` laid out for this runner: for `cfg.layer_loop`, and on a CPU with the MLP's
-        weights transposed (`layers.feature_major_mlp`: 1.1-1.3x faster decode steps there)."""
+        weights transposed (`layers.feature_major_mlp`: 1.1-1.2x faster decode steps there)."""
         params = for_layer_loop(params, self.cfg.layer_loop)
         return feature_major_mlp(params) if backend == "cpu" else params
 
