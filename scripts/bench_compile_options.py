@@ -22,9 +22,8 @@ import jax
 import numpy as np
 
 from hetero_jax import Engine, EngineConfig
-from hetero_jax.runner.batch import batch_spec
-from hetero_jax.runner.wire import to_wire, wire_spec
 from hetero_jax.runner.executables import CPU_COMPILE_OPTIONS
+from hetero_jax.runner.wire import to_wire, wire_spec
 
 OPTION_SETS = {"engine": CPU_COMPILE_OPTIONS, "xla-default": {}}
 KEYS = [(16, 8, 0, 8, 0), (32, 32, 0, 32, 0), (64, 8, 4, 8, 8), (128, 16, 4, 32, 32),
@@ -34,7 +33,7 @@ KEYS = [(16, 8, 0, 8, 0), (32, 32, 0, 32, 0), (64, 8, 4, 8, 8), (128, 16, 4, 32,
 def compile_step(runner, key: tuple, options: dict) -> tuple:
     """(executable, compile CPU seconds) of variant `key` under XLA `options`."""
     fn = jax.jit(runner.step_fn(key), donate_argnums=(1,))
-    lowered = fn.lower(runner.params, runner.state, *wire_spec(batch_spec(runner.cfg, *key)))
+    lowered = fn.lower(runner.params, runner.state, *wire_spec(runner.spec(key)))
     start = time.process_time()
     executable = lowered.compile(compiler_options=options or None)
     return executable, time.process_time() - start
@@ -51,7 +50,7 @@ def time_step(runner, executable, wire) -> tuple:
 def measure(runner, key: tuple, rounds: int) -> dict:
     """Compile `key` under every option set, then `rounds` interleaved timings of each."""
     built = {name: compile_step(runner, key, opts) for name, opts in OPTION_SETS.items()}
-    spec = batch_spec(runner.cfg, *key)
+    spec = runner.spec(key)
     wire = to_wire(jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), spec), spec)
     times = {name: [] for name in built}
     for r in range(rounds + 1):  # round 0 warms the caches, not counted

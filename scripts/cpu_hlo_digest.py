@@ -17,7 +17,6 @@ import re
 import jax
 
 from hetero_jax import Engine, EngineConfig
-from hetero_jax.runner.batch import batch_spec
 from hetero_jax.runner.wire import wire_spec
 
 _LOCATIONS = re.compile(r"file_name_id|file_location_id|function_name_id|^\d+ \"")
@@ -27,8 +26,7 @@ def normalised_hlo(runner, key: tuple) -> str:
     """The optimised HLO text of variant `key` without metadata, source locations or the
     numeric suffixes XLA gives names."""
     fn = jax.jit(runner.step_fn(key), donate_argnums=(1,))
-    text = fn.lower(runner.params, runner.state,
-                    *wire_spec(batch_spec(runner.cfg, *key))).compile().as_text()
+    text = fn.lower(runner.params, runner.state, *wire_spec(runner.spec(key))).compile().as_text()
     text = re.sub(r", metadata=\{[^}]*\}|, stack_frame_id=\d+", "", text)
     lines = [line for line in text.splitlines() if not _LOCATIONS.search(line)]
     return re.sub(r"\.\d+", "", "\n".join(lines))
