@@ -100,3 +100,69 @@ def test_blocked_decode_keys_give_the_same_tokens_as_one_gather():
     runner = blocked.runner
     assert any(decode_block_pages(runner.impl, runner.backend, 16, key)
                for key, _ in runner.executable.held()), "no variant read blocks"
+
+
+def _reference_pack(items: list, cfg, key: tuple) -> dict:
+    """The step's arrays item by item, in plain Python (what `pack_batch` computes with
+    whole-array numpy)."""
+    t, s, _, p, _ = key
+    ps, out = cfg.page_size, dict(tokens=[0] * t, positions=[0] * t, slots=[0] * t,
+                                  adapter_ids=[0] * t, kv_lens=[0] * s, sample_rows=[0] * s,
+                                  page_indices=[[0] * p for _ in range(s)])
+    row, cu = 0, [0]
+    for i, it in enumerate(items):
+        for j in range(it.num_tokens):
+            pos = it.start + j
+            out["tokens"][row], out["positions"][row] = it.token_ids[j], pos
+            out["slots"][row] = it.pages[pos // ps] * ps + pos % ps
+            out["adapter_ids"][row] = it.knobs.adapter_id if it.kind == EMBED else 0
+            row += 1
+        cu.append(row)
+        out["kv_lens"][i], out["sample_rows"][i] = it.start + it.num_tokens, row - 1
+        out["page_indices"][i][:min(len(it.pages), p)] = it.pages[:p]
+    out["cu_q_lens"] = cu + [row] * (s - len(items))
+    return out
+
+
+def test_pack_batch_equals_packing_item_by_item_on_random_steps():
+    """Random steps (embedding and prefill chunks at page-aligned and unaligned starts,
+    decodes at random lengths, spare pages, several bucket sizes) pack as the plain per-item
+    loop does; knobs go to their rows, embedding rows and padding keep the neutral ones."""
+    from hetero_jax.sched.output import ScheduledItem
+
+    rng = np.random.default_rng(0)
+    for trial in range(60):
+        cfg = EngineConfig(token_budget=256, chunk_size=64, max_num_seqs=32,
+                           page_size=int(rng.choice([4, 16])), max_model_len=512
+                           ).resolve(512, 4)
+        items, pool = [], rng.permutation(np.arange(1, cfg.num_pages)).tolist()
+        kinds = ([EMBED] * rng.integers(0, 3) + [PREFILL] * rng.integers(0, 3)
+                 + [DECODE] * rng.integers(1 if trial % 2 else 0, 24))
+        for rid, kind in enumerate(kinds or [DECODE]):
+            start = int(rng.integers(1, 300)) if kind == DECODE else int(rng.integers(0, 200))
+            n = 1 if kind == DECODE else int(rng.integers(1, 64 // len(kinds) + 2))
+            pages = [pool.pop() for _ in range(-(-(start + n) // cfg.page_size)
+                                                + int(rng.integers(0, 2)))]
+            knobs = (EmbedKnobs(int(rng.integers(0, 3)), bool(rng.integers(0, 2)),
+                                int(rng.integers(0, 3))) if kind == EMBED else
+                     GenKnobs(float(rng.random()), int(rng.integers(0, 50)), float(rng.random()),
+                              int(rng.integers(0, 2**32)), None, presence=float(rng.random())))
+            items.append(ScheduledItem(
+                rid, kind, start, n, True, tuple(rng.integers(0, 1000, n).tolist()),
+                tuple(pages), knobs, num_output_tokens=0 if kind == EMBED else rid,
+                pool_slot=rid if kind == EMBED else None))
+        key, batch = pack_batch(items, cfg)
+        want = _reference_pack(items, cfg, key)
+        for name in ("tokens", "positions", "slots", "adapter_ids", "sample_rows"):
+            assert getattr(batch, name).tolist() == want[name], (trial, name)
+        for name in ("kv_lens", "page_indices", "cu_q_lens"):
+            assert getattr(batch.meta, name).tolist() == want[name], (trial, name)
+        for i, it in enumerate(items + [None] * (key[1] - len(items))):
+            gen = it is not None and it.kind != EMBED
+            assert batch.knobs.temperature[i] == (np.float32(it.knobs.temperature) if gen else 0)
+            assert batch.knobs.seed[i] == (it.knobs.seed if gen else 0)
+            assert batch.knobs.top_p[i] == (np.float32(it.knobs.top_p) if gen else 1)
+            assert batch.knobs.step[i] == (it.num_output_tokens if gen else 0)
+            assert batch.knobs.prompt_len[i] == (
+                it.start + it.num_tokens - it.num_output_tokens if gen else 0)
+

@@ -342,6 +342,7 @@ class DecoderRunner:
         """Wait for a launched step -> its `RunnerOutput` (the one device->host copy)."""
         layout = self.layout(launched.key)
         rows, vectors = layout.unpack(np.asarray(launched.packed))
+        rows = rows[:len(launched.items)].tolist()  # Python floats: one conversion, not S * K
         result = RunnerOutput()
         for i, it in enumerate(launched.items):
             if it.samples:

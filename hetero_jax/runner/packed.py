@@ -51,7 +51,8 @@ class PackedLayout:
         return (packed[:cut].reshape(self.num_seqs, self.row_width),
                 packed[cut:].reshape(self.num_chunk_seqs, self.dim))
 
-    def sampled_token(self, row: np.ndarray) -> SampledToken:
+    def sampled_token(self, row) -> SampledToken:
+        """One row (a numpy row, or its `tolist()`: cheaper to read per element) -> its token."""
         k = self.num_logprobs
-        return SampledToken(int(row[0]), float(row[1]), tuple(int(x) for x in row[2:2 + k]),
-                            tuple(float(x) for x in row[2 + k:]))
+        return SampledToken(int(row[0]), float(row[1]), tuple(map(int, row[2:2 + k])),
+                            tuple(map(float, row[2 + k:])))
