@@ -114,9 +114,10 @@ def test_per_step_deltas_and_aborts_are_the_same(pair):
 
 
 def test_the_host_prepares_the_next_step_while_one_runs(pair, monkeypatch):
-    """By the order of the calls: with the overlap, step N+1 is scheduled and packed after N
-    is launched and before N is waited on, and N's results are settled after N+1 is launched;
-    without it each step runs schedule, launch, collect, settle in turn."""
+    """By the order of the calls: with the overlap, step N+1 is scheduled, packed and launched
+    after N is launched and before N is waited on (its tokens of N are read on the device),
+    and N's results are settled after that; without it each step runs schedule, launch,
+    collect, settle in turn."""
     for on, engine in pair.items():
         calls = []
         for obj, name in ((engine.scheduler, "schedule"), (engine.scheduler, "settle"),
@@ -128,7 +129,7 @@ def test_the_host_prepares_the_next_step_while_one_runs(pair, monkeypatch):
         engine.generate([[256, 5, 6], [256, 40]], SamplingParams(max_tokens=6, temperature=0,
                                                                  ignore_eos=True), use_tqdm=False)
         monkeypatch.undo()
-        cycle = (["launch", "schedule", "collect", "launch", "settle"] if on else
+        cycle = (["launch", "schedule", "launch", "collect", "settle"] if on else
                  ["schedule", "launch", "collect", "settle"])
         steady = calls[1:1 + len(cycle)] if on else calls[:len(cycle)]
         assert steady == cycle, calls

@@ -1,7 +1,10 @@
 """The runner's host side: a scheduled step packed onto the token axis, and the step's one
 device->host array read back through `PackedLayout`."""
+import dataclasses
+
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from hetero_jax import EngineConfig
 from hetero_jax.runner.batch import pack_batch
@@ -157,6 +160,7 @@ def test_pack_batch_equals_packing_item_by_item_on_random_steps():
             assert getattr(batch, name).tolist() == want[name], (trial, name)
         for name in ("kv_lens", "page_indices", "cu_q_lens"):
             assert getattr(batch.meta, name).tolist() == want[name], (trial, name)
+        assert batch.prev_rows.tolist() == [-1] * key[0], "nothing linked to a step before"
         for i, it in enumerate(items + [None] * (key[1] - len(items))):
             gen = it is not None and it.kind != EMBED
             assert batch.knobs.temperature[i] == (np.float32(it.knobs.temperature) if gen else 0)
@@ -166,3 +170,28 @@ def test_pack_batch_equals_packing_item_by_item_on_random_steps():
             assert batch.knobs.prompt_len[i] == (
                 it.start + it.num_tokens - it.num_output_tokens if gen else 0)
 
+
+def test_link_tokens_points_each_placeholder_at_the_row_that_samples_it():
+    """Overlapped steps: a decode whose token the step before is still sampling carries the
+    placeholder id; `link_tokens` names that step's row for it (the device reads it there),
+    and a placeholder no row samples is a bug, asserted."""
+    from hetero_jax.runner.batch import link_tokens
+    from hetero_jax.sched.advance import PLACEHOLDER
+    from hetero_jax.sched.output import ScheduledItem
+
+    cfg = EngineConfig(token_budget=64, chunk_size=16, max_num_seqs=8, page_size=4,
+                       max_model_len=64).resolve(64, 4)
+    knobs = GenKnobs(0.0, 0, 1.0, 0, None)
+    items = [ScheduledItem(5, PREFILL, 0, 3, True, (1, 2, 3), (1,), knobs),
+             ScheduledItem(7, DECODE, 6, 1, True, (PLACEHOLDER,), (2, 3), knobs),
+             ScheduledItem(9, DECODE, 2, 1, True, (4,), (4,), knobs),
+             ScheduledItem(8, DECODE, 9, 1, True, (PLACEHOLDER,), (5, 6, 7), knobs)]
+    _, batch = pack_batch(items, cfg)
+    linked = link_tokens(batch, items, {8: 0, 7: 3, 11: 1}, PLACEHOLDER)
+    assert linked.prev_rows[:6].tolist() == [-1, -1, -1, 3, -1, 0]
+    assert linked.tokens.tolist() == batch.tokens.tolist(), "the ids stay: the device swaps"
+    with pytest.raises(KeyError):
+        link_tokens(batch, items, {8: 0}, PLACEHOLDER)
+    odd = [dataclasses.replace(items[0], token_ids=(1, PLACEHOLDER, 3))]
+    with pytest.raises(AssertionError, match="placeholder token is left"):
+        link_tokens(pack_batch(odd, cfg)[1], odd, {}, PLACEHOLDER)

@@ -48,6 +48,8 @@ class StepBatch:
     knobs: SamplingKnobs  # [S] each
     pool: pooler.PoolBatch  # token_slot [T]; per embedding item [Sc]
     adapter_ids: jax.Array  # [T] int32: each token's LoRA adapter, 0 = base model
+    prev_rows: jax.Array  # [T] int32: the row of the step before whose sampled token this
+    # token is (read on the device: `link_tokens`), or -1: `tokens` holds it
 
 
 def is_cascade(key: tuple) -> bool:
@@ -75,7 +77,7 @@ def batch_spec(cfg: EngineConfig, t: int, s: int, sc: int, p: int, second: int) 
         pool=pooler.PoolBatch(token_slot=i32(t), item_slot=i32(sc), item_last_row=i32(sc),
                               item_first_chunk=bool_(sc), kind=i32(sc), normalize=bool_(sc),
                               item_length=i32(sc), item_hit_pages=i32(sc)),
-        adapter_ids=i32(t))
+        adapter_ids=i32(t), prev_rows=i32(t))
 
 
 def variant_of(items: list, cfg: EngineConfig, plan: tuple | None = None) -> tuple:
@@ -163,19 +165,22 @@ def pack_batch(items: list, cfg: EngineConfig,
                             cascade_arrays([it.pages for it in items], list(kv_lens[:n]),
                                            ps, plan, *cfg.cascade_tiles(s), second, p, s)),
         sample_rows=sample_rows, knobs=_pack_sampling(items, s),
-        pool=_pack_pooling(items, rows, t, sc, cfg.max_num_seqs, ps), adapter_ids=adapter_ids)
+        pool=_pack_pooling(items, rows, t, sc, cfg.max_num_seqs, ps), adapter_ids=adapter_ids,
+        prev_rows=np.full(t, -1, np.int32))
     return key, batch
 
 
-def patch_tokens(batch: StepBatch, items: list, sampled: dict, placeholder: int) -> StepBatch:
+def link_tokens(batch: StepBatch, items: list, rows_before: dict,
+                placeholder: int) -> StepBatch:
     """`batch` (packed from `items`) with each `placeholder` token, the last token of a decode
-    whose request's previous step was still running, replaced by the id that step sampled
-    (`sampled`: request_id -> SampledToken). Asserts that none is left."""
-    tokens = np.array(batch.tokens)  # [T] int32
-    lo = 0
+    whose request's previous step is still running, linked to the row that step samples it in
+    (`rows_before`: request_id -> row), so the device reads it from that step's output and the
+    host need not wait for it. Asserts that every placeholder is linked."""
+    prev_rows, lo = np.array(batch.prev_rows), 0  # [T] int32
     for it in items:
         if it.token_ids and it.token_ids[-1] == placeholder:
-            tokens[lo + it.num_tokens - 1] = sampled[it.request_id].token_id
+            prev_rows[lo + it.num_tokens - 1] = rows_before[it.request_id]
         lo += it.num_tokens
-    assert not (tokens[:lo] == placeholder).any(), f"a placeholder token is left: {tokens[:lo]}"
-    return batch.replace(tokens=tokens)
+    left = (np.asarray(batch.tokens[:lo]) == placeholder) & (prev_rows[:lo] < 0)
+    assert not left.any(), f"a placeholder token is left: {batch.tokens[:lo]}"
+    return batch.replace(prev_rows=prev_rows)

@@ -4,8 +4,9 @@ In: the decoder's `ScheduledItem`s of one step (plain host data from the schedul
 `RunnerOutput` with one sampled token per item that ends at its request's last token, and
 one pooled vector per embedding request whose last chunk ran. The step is
 `(params, state, ints, floats) -> (state, packed, logits)`: the batch comes as its two-array
-wire (`wire.py`: two host->device copies, not one per array); the state (KV cache and pooler
-sums) is donated, so XLA updates it in place; `packed` (layout: `packed.PackedLayout`) is the
+wire (`wire.py`: two host->device copies, not one per array); the state (KV cache, pooler
+sums, and each row's last sampled token, which the next step's linked tokens read:
+`batch.link_tokens`) is donated, so XLA updates it in place; `packed` (layout: `packed.PackedLayout`) is the
 only device->host copy, started as soon as the step is dispatched. The step samples greedily;
 a step with a penalty, a temperature or top log-probs is re-sampled from its `logits` by a
 second, small executable, chosen on the host (`sampler.needs`), so no step holds a
@@ -58,6 +59,7 @@ class DeviceState:
     pool: pooler.PoolerState
     sidecar: pooler.PageSidecar | None  # with prefix caching: pooler sums per KV page
     tokens: jax.Array  # [num_pages * page_size] int32: each KV slot's token id (penalties)
+    sampled: jax.Array  # [largest seq bucket] int32: the last step's token of each row
 
 
 @dataclasses.dataclass
@@ -85,6 +87,8 @@ def step(params, state: DeviceState, ints, floats, *, spec: StepBatch, model_cfg
     decode keys read that many pages at a time (`ragged_paged_attention`; the CPU's choice).
     """
     batch = from_wire(spec, ints, floats)
+    batch = batch.replace(tokens=jnp.where(  # tokens the step before sampled: read here
+        batch.prev_rows >= 0, state.sampled[jnp.maximum(batch.prev_rows, 0)], batch.tokens))
     attn_fn = functools.partial(ragged_paged_attention, impl=impl, max_q_len=max_q_len,
                                 num_multi_query_seqs=layout.num_chunk_seqs,
                                 chunk_pages=chunk_pages, interpret=interpret,
@@ -114,20 +118,27 @@ def step(params, state: DeviceState, ints, floats, *, spec: StepBatch, model_cfg
             batch.meta.page_indices[:layout.num_chunk_seqs], page_size)
     if side is not None:
         side = pooler.write_sidecar(side, hidden, batch.positions, batch.slots, page_size)
-    return DeviceState(kv, pool, side, tokens), layout.pack(rows, vectors), logits
+    return (DeviceState(kv, pool, side, tokens, _keep_sampled(state.sampled, rows)),
+            layout.pack(rows, vectors), logits)
 
 
-def resample(logits, table, ints, floats, packed, *, spec: StepBatch, layout: PackedLayout,
-             page_size: int, needs: Needs):
+def _keep_sampled(sampled, rows):
+    """The last-token buffer with a step's sampled rows [S, 2 + 2K] written at its front."""
+    return jax.lax.dynamic_update_slice(sampled, rows[:, 0].astype(jnp.int32), (0,))
+
+
+def resample(logits, table, sampled, ints, floats, packed, *, spec: StepBatch,
+             layout: PackedLayout, page_size: int, needs: Needs):
     """A step's sampled rows again, from its `logits` with what its rows ask past greedy
     (`needs`: penalties, temperatures, top log-probs; the knobs from its batch `spec`, sent as
     `ints`, `floats`), over the greedy rows of its `packed` output; `table`: the token table
-    after the step."""
+    after the step -> (packed, the state's last-token buffer `sampled` with these rows)."""
     batch = from_wire(spec, ints, floats)
     rows = sample(logits, batch.knobs, layout.num_logprobs, table, batch.meta.page_indices,
                   page_size, penalized=needs.penalized, filtered=needs.filtered,
                   ranked=needs.ranked)
-    return jax.lax.dynamic_update_slice(packed, rows.reshape(-1), (0,))
+    return (jax.lax.dynamic_update_slice(packed, rows.reshape(-1), (0,)),
+            _keep_sampled(sampled, rows))
 
 
 def zero_state(model_cfg: ModelConfig, cfg: EngineConfig) -> DeviceState:
@@ -139,7 +150,8 @@ def zero_state(model_cfg: ModelConfig, cfg: EngineConfig) -> DeviceState:
                                       cfg.max_model_len if cfg.buffered_head else 1),
         sidecar=pooler.PageSidecar.zeros(cfg.num_pages, model_cfg.hidden_size)
         if cfg.prefix_caching else None,
-        tokens=jnp.zeros(cfg.num_pages * cfg.page_size, jnp.int32))
+        tokens=jnp.zeros(cfg.num_pages * cfg.page_size, jnp.int32),
+        sampled=jnp.zeros(cfg.seq_buckets[-1], jnp.int32))
 
 
 def layout_of(model_cfg: ModelConfig, cfg: EngineConfig, key: tuple) -> PackedLayout:
@@ -298,13 +310,13 @@ class DecoderRunner:
         layout = self.layout(key)
         fn = jax.jit(functools.partial(
             resample, spec=self.spec(key), layout=layout, page_size=self.cfg.page_size,
-            needs=what), donate_argnums=(4,))
+            needs=what), donate_argnums=(5,))
         f32 = lambda *shape: jax.ShapeDtypeStruct(  # noqa: E731
             shape, jnp.float32, sharding=self.replicated())
         ints, floats = (jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self.replicated())
                         for x in wire_spec(self.spec(key)))
-        return fn.lower(f32(key[1], self.model_cfg.vocab_size), self.state.tokens, ints,
-                        floats, f32(layout.size)).compile(
+        return fn.lower(f32(key[1], self.model_cfg.vocab_size), self.state.tokens,
+                        self.state.sampled, ints, floats, f32(layout.size)).compile(
             compiler_options=compile_options(jax.default_backend()) or None)
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
@@ -328,7 +340,9 @@ class DecoderRunner:
         self.state, packed, logits = self.executable(key)(self.params, self.state, *wire)
         what = needs([it.knobs for it in items if it.samples])
         if any(what):
-            packed = self.resampler((key, what))(logits, self.state.tokens, *wire, packed)
+            packed, sampled = self.resampler((key, what))(
+                logits, self.state.tokens, self.state.sampled, *wire, packed)
+            self.state = self.state.replace(sampled=sampled)
         packed.copy_to_host_async()
         self.cascade_steps += is_cascade(key)
         return Launched(items, key, packed, t0, compile0)

@@ -156,12 +156,13 @@ def param_shardings(mesh: Mesh, params):
 
 
 def state_shardings(mesh: Mesh, state: DeviceState) -> DeviceState:
-    """KV pages by KV head; the pooler's state and page sidecars replicated."""
+    """KV pages by KV head; the pooler's state, page sidecars and token buffers replicated."""
     replicated = NamedSharding(mesh, P())
     kv = NamedSharding(mesh, KV_SPEC)
     return DeviceState(llama.KVCache(kv, kv), jax.tree.map(lambda _: replicated, state.pool),
                        None if state.sidecar is None else
-                       jax.tree.map(lambda _: replicated, state.sidecar), replicated)
+                       jax.tree.map(lambda _: replicated, state.sidecar), replicated,
+                       replicated)
 
 
 def shard_attention(attn_fn, mesh: Mesh):

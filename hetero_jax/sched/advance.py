@@ -12,7 +12,8 @@ that samples appends a `PLACEHOLDER` output token (its id comes with the results
 request that ends whatever it samples (max_tokens, max_model_len, an embedding's last chunk)
 finishes and frees its pages and slot. The next `schedule()` then sees every running decode
 one token further on, as it would after the step: its decode item's token is the placeholder,
-which the runner patches in the packed batch before it dispatches (`runner.batch.patch_tokens`).
+which the runner links to the row of the step that samples it (`runner.batch.link_tokens`: the
+device reads it there).
 `settle` writes the sampled tokens (and embeddings) in, finishes the requests that sampled a
 stop token (their row in a step scheduled meanwhile is dead: its outputs are ignored), and
 drops the placeholder of a request the engine failed in between (NaN output). `update` is

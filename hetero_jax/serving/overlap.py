@@ -7,9 +7,11 @@ pack, dispatch, wait for the sampled tokens, update. With it on, as vLLM's async
 
 1. step N was dispatched by the previous call (jax dispatch returns before the device is done);
 2. `Scheduler.advance` moves N's requests on (placeholder output tokens, `sched/advance.py`),
-   and step N+1 is scheduled and packed on the host while N runs;
-3. the call blocks on N's results; N+1's placeholder token ids are patched in from them
-   (`runner.batch.patch_tokens`) and N+1 is dispatched;
+   and step N+1 is scheduled and packed on the host while N runs; each placeholder token is
+   linked to the row of N that samples it (`runner.batch.link_tokens`), and N+1 is dispatched
+   at once: the device queues it behind N and reads those tokens from N's output there, so
+   it starts as N ends, without a round trip through the host;
+3. the call blocks on N's results;
 4. `Scheduler.settle` writes N's results in (stop tokens, embeddings), stop strings are
    scanned and N's output returned while N+1 runs.
 
@@ -30,7 +32,7 @@ import time
 import numpy as np
 
 from hetero_jax.models import detokenize
-from hetero_jax.runner.batch import pack_batch, patch_tokens
+from hetero_jax.runner.batch import link_tokens, pack_batch
 from hetero_jax.sched import RunnerOutput, SchedulerOutput
 from hetero_jax.sched.advance import PLACEHOLDER, Ahead
 
@@ -100,10 +102,10 @@ class StepPipeline:
                 return StepOutput(self._fail_culprits(out, error), [])
         flight, self.flight = self.flight, None
         ahead = self.scheduler.advance(flight.out)
-        nxt = self._schedule_next() if self.overlap and not drain else None
-        runner_out = self._collect(flight)
+        nxt = self._schedule_next(flight) if self.overlap and not drain else None
         if nxt is not None:
-            self._launch_next(nxt, runner_out)
+            self._launch_next(nxt)
+        runner_out = self._collect(flight)
         failed = self._fail_non_finite(runner_out, ahead)
         finished = self.scheduler.settle(ahead, runner_out, time.perf_counter())
         self.engine.record_step(flight.out, runner_out)
@@ -134,26 +136,28 @@ class StepPipeline:
             return flight.encoded
         return flight.encoded.merge(self.runner.collect(flight.launched))
 
-    def _schedule_next(self) -> _Next | None:
-        """Step N+1 scheduled and packed (placeholder ids) while N runs; None: nothing to run."""
+    def _schedule_next(self, flight: _Flight) -> _Next | None:
+        """Step N+1 scheduled and packed while N (`flight`) runs, its placeholder ids linked to
+        the rows of N that sample them; None: nothing to run."""
         if not self.scheduler.has_work():
             return None
         out = self.scheduler.schedule()
         if not (out.items or out.encoder_items):
             return None
+        rows = {it.request_id: i for i, it in enumerate(flight.out.items) if it.samples}
         try:
-            return _Next(out, self._pack(out))
+            packed = self._pack(out)
+            return _Next(out, packed and (packed[0], link_tokens(
+                packed[1], out.items, rows, PLACEHOLDER)))
         except Exception as error:  # noqa: BLE001 - failed after N's outputs (_fail_next)
             return _Next(out, None, error)
 
-    def _launch_next(self, nxt: _Next, runner_out: RunnerOutput) -> None:
-        """Patch N's sampled ids into N+1 and dispatch it (an error: kept in `nxt.error`)."""
+    def _launch_next(self, nxt: _Next) -> None:
+        """Dispatch N+1 behind N (an error: kept in `nxt.error`, failed after N's outputs)."""
         if nxt.error is not None:
             return
         try:
-            packed = nxt.packed and (nxt.packed[0], patch_tokens(
-                nxt.packed[1], nxt.out.items, runner_out.sampled, PLACEHOLDER))
-            self.flight = self._launch(nxt.out, packed)
+            self.flight = self._launch(nxt.out, nxt.packed)
         except Exception as error:  # noqa: BLE001 - failed after N's outputs (_fail_next)
             nxt.error = error
 
