@@ -22,6 +22,11 @@ from hetero_jax.sched.shapes import Buckets, default_seq_buckets, powers_of_two
 from hetero_jax.sched.tiles import CascadeSettings
 
 _DTYPES = ("auto", "float32", "bfloat16")
+# The smallest default token bucket on a jax backend (else 16). XLA:CPU's few-row matmuls cost
+# in proportion to their rows past about 4 (a 768 x 3072 weight: 22.6 GB/s at 8 rows, 17.6 at
+# 16), so a decode step of up to 8 sequences runs at 8 rows there; a GPU's tensor-core tiles
+# are 16 rows, where 8 would only add variants. docs/results.md, "Token bucket 8 on a CPU".
+SMALLEST_TOKEN_BUCKET = {"cpu": 8}
 _ITEMSIZE = {"float32": 4, "bfloat16": 2}  # bytes per weight and KV element of each dtype
 
 
@@ -71,10 +76,11 @@ class EngineConfig:
     # Devices the decoder is split over (Megatron layout on a one-axis mesh, runner/sharding.py;
     # the XLA attention): 1 runs on the default device. The model must divide by it.
     tensor_parallel: int = 1
-    token_buckets: tuple | None = None  # None: powers of two from 16 up to token_budget
+    # None: powers of two up to token_budget from 8 on a CPU, 16 elsewhere (`resolve`)
+    token_buckets: tuple | None = None
     seq_buckets: tuple | None = None  # None: powers of two from 8 up to max_num_seqs
-    # The default bucket lists keep the variants few (106 for the defaults: each costs ~2 s of
-    # compile on a CPU): pages in powers of four from 8 (128 tokens) up, and chunk slots 0
+    # The default bucket lists keep the variants few (111 on a CPU, each ~2 s of compile
+    # there; 106 elsewhere): pages in powers of four from 8 (128 tokens) up, and chunk slots 0
     # (a decode-only step) or all of them (one chunk pads to max_chunk_seqs, which costs a
     # fresh chunk's few keys, where a third Sc bucket would add a third of the variants).
     page_buckets: tuple | None = None  # None: powers of four from 8 up to max_model_len pages
@@ -92,7 +98,7 @@ class EngineConfig:
     # What `Engine.warmup()` compiles: "all" (every variant of `variants()`), "lazy" (none: each
     # step compiles its variant when a run first meets it, announced "compiling step variant
     # k/N"), or "auto": lazy on a CPU, all elsewhere. XLA:CPU spends 3-9 CPU-s on each of the
-    # small preset's 106 variants (5-16 minutes of warm-up on 2 cores), of which a run meets a
+    # small preset's 111 variants (5-16 minutes of warm-up on 2 cores), of which a run meets a
     # few (the main job 7, the bench's three mixed ratios 9 of its 60: docs/results.md).
     warmup: str = "auto"
     # JAX's persistent compilation cache (process-wide; the first directory set holds):
@@ -212,18 +218,20 @@ class EngineConfig:
         assert self.warmup != "auto", "warmup_variants() of an unresolved config: warmup_on()"
         return self.variants() if self.warmup == "all" else []
 
-    def resolve(self, model_max_len: int, kv_bytes_per_token: int) -> "EngineConfig":
+    def resolve(self, model_max_len: int, kv_bytes_per_token: int,
+                backend: str | None = None) -> "EngineConfig":
         """Fill every None from the model: token_budget (`engine_budget` of `cost_model` where
         the engine made it a model, `step_model`; at least chunk_size), max_model_len,
-        num_pages and the bucket lists. With
+        num_pages and the bucket lists (the token buckets from `SMALLEST_TOKEN_BUCKET` of the
+        jax `backend` the engine runs on; None: 16). With
         attention_impl="pallas" the default page buckets are one (pages_per_seq): the kernel
         loops over each sequence's pages, so a page table's width costs it nothing and a
         bucket per width would only multiply the variants (20 instead of 106 by default)."""
         if self.token_budget is None:
             known = self.cost_model if hasattr(self.cost_model, "step_time") else None
             budget = max(engine_budget(known), self.chunk_size or 1)
-            return dataclasses.replace(self, token_budget=budget).resolve(model_max_len,
-                                                                          kv_bytes_per_token)
+            return dataclasses.replace(self, token_budget=budget).resolve(
+                model_max_len, kv_bytes_per_token, backend)
         max_len = min(model_max_len, 2048) if self.max_model_len is None else self.max_model_len
         if max_len > model_max_len:
             raise ValueError(f"max_model_len={max_len} exceeds the model's {model_max_len}")
@@ -235,7 +243,8 @@ class EngineConfig:
         if num_pages <= pages_per_seq:
             raise ValueError(f"num_pages={num_pages} must exceed the {pages_per_seq} pages "
                              f"of one max_model_len={max_len} sequence (page 0 is scratch)")
-        tokens = self.token_buckets or powers_of_two(min(16, self.token_budget), self.token_budget)
+        smallest = min(SMALLEST_TOKEN_BUCKET.get(backend, 16), self.token_budget)
+        tokens = self.token_buckets or powers_of_two(smallest, self.token_budget)
         cfg = dataclasses.replace(
             self, max_model_len=max_len, num_pages=num_pages,
             token_buckets=tuple(sorted(tokens)),

@@ -1,16 +1,18 @@
 """The CPU runner's two layout choices against a runner without them, step by step.
 
 On a CPU the decoder's runner stores the MLP's weights transposed and runs it on [d, T]
-activations (`layers.feature_major_mlp`), and reads the decode keys in 128-token blocks up to
-the step's longest sequence (`decoder.decode_block_pages`). This builds two engines of
-`--preset` with the default config in one process: one as the runner lays it out on a CPU,
-one without the choices `--drop` names (`mlp`: the MLP row-major; `blocks`: every decode
-group read by one gather of its page bucket; both by default, as before them). Each times
+activations (`layers.feature_major_mlp`), reads the decode keys in 128-token blocks up to
+the step's longest sequence (`decoder.decode_block_pages`), and pads steps to token buckets
+from 8 (`config.SMALLEST_TOKEN_BUCKET`). This builds two engines of `--preset` with the
+default config in one process: one as the engine sets itself up on a CPU, one without the
+choices `--drop` names (`mlp`: the MLP row-major; `blocks`: every decode group read by one
+gather of its page bucket; `tokens`: token buckets from 16; mlp and blocks by default, as
+before them). Each times
 the same steps, round-robin over `--repeats` rounds: decode-only steps of
 `--batches` sequences with contexts drawn from `--contexts LO:HI`, embedding chunks of 64
 tokens (1 and 4), and one of them beside 12 decodes. Prints medians and their ratio.
 
-    python scripts/bench_cpu_layout.py --preset small --repeats 7 [--drop mlp]
+    python scripts/bench_cpu_layout.py --preset small --repeats 7 [--drop mlp|blocks|tokens]
 """
 from __future__ import annotations
 
@@ -29,7 +31,14 @@ from hetero_jax.models.layers import row_major_mlp  # noqa: E402
 from hetero_jax.sched import DECODE, EMBED, SchedulerOutput  # noqa: E402
 
 
-CHOICES = ("mlp", "blocks")
+CHOICES = ("mlp", "blocks", "tokens")
+
+
+def without_config(resolved, drop: tuple) -> EngineConfig:
+    """The other engine's config beside an engine's `resolved` one: the defaults, with token
+    buckets from 16 when `drop` names "tokens"."""
+    return EngineConfig(token_buckets=tuple(b for b in resolved.token_buckets if b >= 16)
+                        if "tokens" in drop else None)
 
 
 def without_cpu_layout(engine, drop: tuple = CHOICES) -> None:
@@ -56,9 +65,10 @@ def cases(engine, batches: list, contexts: tuple, seed: int) -> dict:
 
 
 def bench(preset: str, batches: list, contexts: tuple, repeats: int, seed: int = 0,
-          drop: tuple = CHOICES) -> dict:
-    engines = {"cpu layout": Engine.from_preset(preset, config=EngineConfig()),
-               "without": Engine.from_preset(preset, config=EngineConfig())}
+          drop: tuple = ("mlp", "blocks")) -> dict:
+    engine = Engine.from_preset(preset, config=EngineConfig())
+    engines = {"cpu layout": engine,
+               "without": Engine.from_preset(preset, config=without_config(engine.config, drop))}
     without_cpu_layout(engines["without"], drop)
     steps = {name: cases(e, batches, contexts, seed) for name, e in engines.items()}
     for name, e in engines.items():  # compile, then once more untimed
@@ -85,7 +95,7 @@ def main(argv=None):
     ap.add_argument("--contexts", default="130:380", help="LO:HI cached tokens per decode")
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--drop", default="mlp,blocks", help="the choices the other engine runs "
-                    "without, comma-separated: mlp, blocks")
+                    "without, comma-separated: mlp, blocks, tokens")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     lo, hi = (int(x) for x in args.contexts.split(":"))

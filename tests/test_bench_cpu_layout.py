@@ -14,7 +14,7 @@ def test_the_layout_bench_times_both_engines_on_the_same_steps():
         assert row["cpu_layout_s"] > 0 and row["ratio"] == row["cpu_layout_s"] / row["without_s"]
 
 
-@pytest.mark.parametrize("drop", [("mlp", "blocks"), ("mlp",), ("blocks",)])
+@pytest.mark.parametrize("drop", [("mlp", "blocks"), ("mlp",), ("blocks",), ("tokens",)])
 def test_the_other_engine_drops_exactly_the_named_choices(drop):
     from hetero_jax import Engine, EngineConfig
     from hetero_jax.models.layers import is_feature_major
@@ -22,6 +22,9 @@ def test_the_other_engine_drops_exactly_the_named_choices(drop):
 
     script = load_script("bench_cpu_layout")
     engine = Engine.from_preset("tiny", config=EngineConfig(max_model_len=512))
+    tokens = script.without_config(engine.config, drop).token_buckets
+    assert engine.config.token_buckets[0] == 8
+    assert tokens == ((16, 32, 64, 128, 256) if "tokens" in drop else None)
     script.without_cpu_layout(engine, drop)
     runner = engine.runner
     assert is_feature_major(runner.params) == ("mlp" not in drop)

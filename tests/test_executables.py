@@ -52,6 +52,26 @@ def test_default_variants_stay_few():
     assert (len(variants), own_chunk_pages, cascade) == (106, 28, 27)
 
 
+def test_a_cpu_runs_decode_steps_of_up_to_8_sequences_at_8_tokens():
+    """The default token buckets start at 8 on a CPU (`SMALLEST_TOKEN_BUCKET`: XLA:CPU's
+    few-row matmuls cost by their rows) and at 16 elsewhere; on a CPU that adds 5 variants
+    (those at 16 tokens and 8 sequences that 8 tokens now hold go). The tokens are those of
+    16-token steps."""
+    cpu, gpu, unknown = (EngineConfig().resolve(2048, 6144, b) for b in ("cpu", "gpu", None))
+    assert (cpu.token_buckets[0], gpu.token_buckets[0], unknown.token_buckets[0]) == (8, 16, 16)
+    assert len(cpu.variants()) == 111
+    prompts, greedy = [[5, 6, 7], [9, 10], [11]], SamplingParams(max_tokens=4, temperature=0)
+    tokens = {}
+    for buckets in (None, (16, 32, 64)):
+        engine = Engine.from_preset("tiny", config=EngineConfig(
+            token_budget=64, max_model_len=64, token_buckets=buckets))
+        tokens[buckets] = [o.token_ids for o in engine.generate(prompts, greedy,
+                                                                use_tqdm=False)]
+        decode_steps = {key for key, _ in engine.runner.executable.held() if key[2] == 0}
+        assert decode_steps and {t for t, *_ in decode_steps} == {(buckets or (8,))[0]}
+    assert tokens[None] == tokens[(16, 32, 64)]
+
+
 def test_warmup_is_lazy_on_a_cpu_by_default():
     """On a CPU `warmup()` builds nothing unless told (XLA:CPU spends seconds on each variant
     and a run meets a few); each step builds the variant it meets, one of `variants()`."""
@@ -138,7 +158,7 @@ def test_second_process_of_a_configuration_compiles_nothing(tmp_path):
     assert warm["tokens"] == cold["tokens"]
 
 
-@pytest.mark.slow  # ~4 min on 2 cores (106 variants of ~2 s each), in a fresh cache
+@pytest.mark.slow  # ~4 min on 2 cores (111 variants of ~2 s each), in a fresh cache
 def test_small_preset_default_warmup_finishes_in_bounded_mappings(tmp_path):
     """The warm-up that crashed near vm.max_map_count: every default variant of the small
     preset builds, and the process stays under the limit (the cache drops what it must)."""
@@ -157,7 +177,7 @@ print(json.dumps(dict(built=built, variants=len(engine.config.variants()), maps=
                          timeout=1800)
     assert run.returncode == 0, run.stderr[-3000:]
     r = json.loads(run.stdout.strip().splitlines()[-1])
-    assert r["built"] == r["variants"] == 106 and r["maps"] < r["limit"]
+    assert r["built"] == r["variants"] == 111 and r["maps"] < r["limit"]
 
 
 def test_step_time_leaves_compiling_out(monkeypatch):

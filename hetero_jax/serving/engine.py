@@ -355,7 +355,7 @@ def _resolved(model_cfg: ModelConfig, config: EngineConfig) -> EngineConfig:
     kv_bytes = 2 * model_cfg.num_layers * model_cfg.num_kv_heads * model_cfg.head_dim * itemsize
     # Sliding-window attention is not implemented: within the window it equals full attention.
     max_len = min(model_cfg.max_position_embeddings, model_cfg.sliding_window or 2**31)
-    resolved = config.resolve(max_len, kv_bytes)
+    resolved = config.resolve(max_len, kv_bytes, backend)
     check_memory(model_cfg, resolved, itemsize)
     return resolved
 
