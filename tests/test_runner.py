@@ -195,3 +195,20 @@ def test_link_tokens_points_each_placeholder_at_the_row_that_samples_it():
     odd = [dataclasses.replace(items[0], token_ids=(1, PLACEHOLDER, 3))]
     with pytest.raises(AssertionError, match="placeholder token is left"):
         link_tokens(pack_batch(odd, cfg)[1], odd, {}, PLACEHOLDER)
+
+
+def test_an_item_that_cannot_be_packed_is_named():
+    """Packing checks what the whole-array writes would silently misread: an item with fewer
+    token ids than tokens, or a position past its pages (it would read the next item's)."""
+    from hetero_jax.sched.output import ScheduledItem
+
+    cfg = EngineConfig(token_budget=64, chunk_size=16, max_num_seqs=8, page_size=4,
+                       max_model_len=64).resolve(64, 4)
+    knobs = GenKnobs(0.0, 0, 1.0, 0, None)
+    good = ScheduledItem(3, DECODE, 5, 1, True, (7,), (1, 2), knobs)
+    short = ScheduledItem(4, PREFILL, 0, 3, True, (1, 2), (3,), knobs)
+    with pytest.raises(ValueError, match="hold 3 token ids for 4 tokens"):
+        pack_batch([short, good], cfg)
+    past = ScheduledItem(5, DECODE, 9, 1, True, (7,), (4, 5), knobs)
+    with pytest.raises(ValueError, match="request 5: position 9 lies past its 2 pages of 4"):
+        pack_batch([good, past], cfg)

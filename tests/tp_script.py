@@ -17,6 +17,7 @@ from jax.sharding import Mesh
 
 from hetero_jax import EmbedRequest, Engine, EngineConfig, GenerateRequest, PoolingParams, \
     SamplingParams
+from hetero_jax.models.layers import row_major_mlp
 from hetero_jax.models.presets import preset_config
 from hetero_jax.ops import ragged_paged_attention
 from hetero_jax.ops.cascade import cascade_arrays
@@ -80,9 +81,10 @@ def laid_out(params, *also) -> bool:
 
 
 def placed_params(one, two) -> dict:
-    """Whether TP=2's params equal TP=1's (its repeated KV heads undone) and every leaf is laid
-    out as the partition table says, over both devices."""
-    plain = jax.tree_util.tree_leaves_with_path(one.runner.params)
+    """Whether TP=2's params equal TP=1's (its repeated KV heads undone; TP=1's MLP back in the
+    row-major layout the sharded runner keeps) and every leaf is laid out as the partition
+    table says, over both devices."""
+    plain = jax.tree_util.tree_leaves_with_path(row_major_mlp(one.runner.params))
     placed = jax.tree.leaves(sharding.unexpand_kv_heads(two.model_cfg, two.runner.params))
     equal = all(np.array_equal(np.asarray(a), np.asarray(b)) for (_, a), b in zip(plain, placed))
     return dict(params_equal=equal and len(plain) == len(placed),

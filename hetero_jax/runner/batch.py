@@ -144,9 +144,11 @@ def pack_batch(items: list, cfg: EngineConfig,
     if len(ids) != n_tok:
         raise ValueError(f"the step's items hold {len(ids)} token ids for {n_tok} tokens")
     tokens[:n_tok] = ids
-    if (pos // ps >= num_pages[owner]).any():
-        raise ValueError(f"a token past its item's pages (page size {ps}): positions {pos}, "
-                         f"pages {num_pages}")
+    past = np.flatnonzero(pos // ps >= num_pages[owner])
+    if past.size:
+        it = items[owner[past[0]]]
+        raise ValueError(f"request {it.request_id}: position {pos[past[0]]} lies past its "
+                         f"{len(it.pages)} pages of {ps} tokens")
     positions[:n_tok] = pos
     slots[:n_tok] = pages[first_page[owner] + pos // ps] * ps + pos % ps
     adapter_ids[:n_tok] = np.repeat([it.knobs.adapter_id if it.kind == EMBED else 0

@@ -6,8 +6,9 @@ one pooled vector per embedding request whose last chunk ran. The step is
 `(params, state, ints, floats) -> (state, packed, logits)`: the batch comes as its two-array
 wire (`wire.py`: two host->device copies, not one per array); the state (KV cache, pooler
 sums, and each row's last sampled token, which the next step's linked tokens read:
-`batch.link_tokens`) is donated, so XLA updates it in place; `packed` (layout: `packed.PackedLayout`) is the
-only device->host copy, started as soon as the step is dispatched. The step samples greedily;
+`batch.link_tokens`) is donated, so XLA updates it in place; `packed` (layout:
+`packed.PackedLayout`) is the only device->host copy, started as soon as the step is
+dispatched. The step samples greedily;
 a step with a penalty, a temperature or top log-probs is re-sampled from its `logits` by a
 second, small executable, chosen on the host (`sampler.needs`), so no step holds a
 `lax.cond`, which a GPU would run from the host, waiting for the kernels before it. Token

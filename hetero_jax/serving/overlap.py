@@ -20,9 +20,10 @@ row whose outputs nothing reads (`advance` skips it). Its pages go back to the p
 which is safe: the device runs steps in dispatch order, so a later step that reuses them runs
 after N+1. A step in flight with a live row keeps `has_work` true (the row's request is running),
 so callers that loop on it drain the last one; one whose rows all died (aborted between
-calls) is dropped unread by the next call. Failures: an item whose own data cannot be packed fails alone (`finish_reason="error"`),
-the others run next step; an error of no single request is raised (in overlap, one met while
-preparing N+1 is raised by the next call, after N's outputs are returned).
+calls) is dropped unread by the next call. Failures: an item whose own data cannot be packed
+fails alone (`finish_reason="error"`), the others run next step; an error of no single request
+is raised (in overlap, one met while preparing N+1 is raised by the next call, after N's
+outputs are returned).
 """
 from __future__ import annotations
 
