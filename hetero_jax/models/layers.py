@@ -74,20 +74,23 @@ def is_feature_major(params) -> bool:
     return "w_up_t" in (layers["0"] if is_unrolled(params) else layers)
 
 
+def _transposed(params, rename: dict) -> dict:
+    """`params` with each layer weight named in `rename` transposed (last two axes) and
+    renamed to its value there."""
+    return _each_layer(params, lambda lp: {
+        rename.get(k, k): (jnp.swapaxes(v, -1, -2) if k in rename else v) for k, v in lp.items()})
+
+
 def feature_major_mlp(params) -> dict:
     """The same params with each MLP weight `w` [..., in, out] stored as `w_t` [..., out, in]
     (once, outside jit); a no-op when they already are."""
     if is_feature_major(params):
         return params
-    return _each_layer(params, lambda lp: {
-        (f"{k}_t" if k in MLP_WEIGHTS else k): (jnp.swapaxes(v, -1, -2) if k in MLP_WEIGHTS else v)
-        for k, v in lp.items()})
+    return _transposed(params, {k: f"{k}_t" for k in MLP_WEIGHTS})
 
 
 def row_major_mlp(params) -> dict:
     """Inverse of `feature_major_mlp` (a no-op on row-major params)."""
     if not is_feature_major(params):
         return params
-    back = {f"{k}_t": k for k in MLP_WEIGHTS}
-    return _each_layer(params, lambda lp: {
-        back.get(k, k): (jnp.swapaxes(v, -1, -2) if k in back else v) for k, v in lp.items()})
+    return _transposed(params, {f"{k}_t": k for k in MLP_WEIGHTS})
