@@ -14,7 +14,7 @@ from hetero_jax.sched.output import SchedulerOutput
 from hetero_jax.sim import load_cost_model
 from hetero_jax.sched.costmodel import StepShape
 from hetero_jax.sched.tiles import CascadeSettings, kv_pages_saved
-from hetero_jax.sim.simulate import SimConfig, simulate
+from hetero_jax.sim.simulate import SimConfig, simulate, without_kv_reads
 from hetero_jax.sim.workload import LengthDist, WorkloadConfig
 
 
@@ -61,6 +61,19 @@ def test_cascade_reads_less_kv_where_prompts_share_and_the_same_where_they_do_no
     assert control_on.kv_read_tokens == control_off.kv_read_tokens
 
 
+def test_no_sharing_of_kv_reads_undercuts_the_same_steps_run_with_no_kv_read():
+    """`kv_free_s` is the run's steps at the cost model's price with no KV read: cascade on and
+    off take the same steps here, so they share it, and each run's time lies above it."""
+    on, off = run(shared_prefix(), CascadeSettings(max_num_seqs=32)), run(shared_prefix(), None)
+    assert on.steps == off.steps and on.kv_free_s == pytest.approx(off.kv_free_s, rel=1e-12)
+    assert on.kv_free_s < on.busy_s < off.busy_s
+    step = StepShape(decode_tokens=4, seqs=4, context_tokens=4 * 2048, attn_pairs=4 * 2048,
+                     sampled=4)
+    cost = load_cost_model("roofline:h200", "llama-3-8b")
+    assert cost.step_time(without_kv_reads(step)) == cost.step_time(
+        dataclasses.replace(step, context_tokens=0))
+
+
 @pytest.mark.parametrize("batching", BATCHING)
 def test_every_batching_policy_completes_the_simulated_run(batching):
     r = run(shared_prefix(groups=2), CascadeSettings(max_num_seqs=32), batching)
@@ -89,6 +102,7 @@ def test_the_batching_table_puts_every_policy_beside_fcfs(tmp_path, capsys):
     on = next(r for r in rows if r["workload"] == "2 groups" and r["cascade"] == "on")
     off = next(r for r in rows if r["workload"] == "2 groups" and r["cascade"] == "off")
     assert on["kv_gb"] < off["kv_gb"] and "x fcfs" in capsys.readouterr().out
+    assert all(r["vs_plain"] <= r["kv_free_ceiling"] for r in rows)
 
 
 SMALL_TABLE = ["--groups", "2", "--prompts-per-group", "4", "--prefix-len", "256",

@@ -23,9 +23,10 @@ is its start plus its tokens). With `SimConfig.cascade` a decode-only step whose
 share cached pages reads them once per tile, as the engine's cascade attention does
 (`sched/tiles.py`); the result counts the KV tokens read, the steps that used cascade, the
 mean decode batch and the share of decode steps whose sequences all start on one KV page
-(one prefix group: `homogeneous_decode_share`). The fake runner reports the cost model's step time, so the
-`feather-bandit` batching policy learns from simulated tokens per second. Imports no
-jax.
+(one prefix group: `homogeneous_decode_share`), and what the same steps would cost had their
+attention read no KV at all (`kv_free_s`: the floor under any sharing of KV reads, cascade's
+included). The fake runner reports the cost model's step time, so the `feather-bandit`
+batching policy learns from simulated tokens per second. Imports no jax.
 """
 from __future__ import annotations
 
@@ -73,6 +74,7 @@ class _Totals:
     decode_steps: int = 0
     decode_tokens: int = 0
     homogeneous_decode_steps: int = 0
+    kv_free_s: float = 0.0
 
 
 class Simulation:
@@ -122,7 +124,7 @@ class Simulation:
         return dict(kv_read_tokens=tot.kv_read_tokens, cascade_steps=tot.cascade_steps,
                     mean_decode_batch=tot.decode_tokens / max(tot.decode_steps, 1),
                     homogeneous_decode_share=tot.homogeneous_decode_steps
-                    / max(tot.decode_steps, 1),
+                    / max(tot.decode_steps, 1), kv_free_s=tot.kv_free_s,
                     batching=self.replicas[0].sched.batching.stats())
 
     def _route(self, req: Request) -> int:
@@ -157,6 +159,7 @@ class Simulation:
         shape = StepShape.from_output(out, self.cfg.scheduler.page_size, self.cfg.cascade)
         dt = self.cost.step_time(shape)
         tot = self.totals
+        tot.kv_free_s += self.cost.step_time(without_kv_reads(shape))
         tot.kv_read_tokens += shape.kv_read_tokens
         tot.cascade_steps += shape.shared_kv_tokens > 0
         tot.decode_steps += shape.decode_tokens > 0
@@ -178,6 +181,12 @@ class Simulation:
             if self.cfg.workload.arrival == "closed" and self._issued < len(self.specs):
                 self._issue(now)
         replica.busy = False
+
+
+def without_kv_reads(shape: StepShape) -> StepShape:
+    """`shape` with every context read shared away: the step as no attention scheme can
+    undercut it (its weights, FLOPs and KV writes stay), the floor of what sharing can save."""
+    return dataclasses.replace(shape, shared_kv_tokens=shape.context_tokens)
 
 
 def one_prefix_group(items: list) -> bool:
@@ -212,6 +221,7 @@ class SimResult:
     cascade_steps: int = 0  # steps that read shared pages once per tile
     mean_decode_batch: float = 0.0  # decode tokens per step that has any
     homogeneous_decode_share: float = 0.0  # of the steps with decodes: one prefix group's
+    kv_free_s: float = 0.0  # the same steps' summed cost had their attention read no KV
     batching: dict = dataclasses.field(default_factory=dict)  # replica 0's batching stats
 
     @classmethod
