@@ -1,17 +1,21 @@
 #!/usr/bin/env bash
 # One command on a fresh GPU machine (Python 3.12, jax 0.11.x with its CUDA plugin, no network;
-# or any machine with `pip install -e '.[cuda12]'`). About 8 minutes on one H200, 12 at most:
+# or any machine with `pip install -e '.[cuda12]'`). About 9 minutes on one H200, 13 at most:
 #   1. pytest in ONE process (two would each preallocate the GPU's memory; preallocation is off
 #      too): the Pallas kernel compiled through Triton against the XLA path and the float64
 #      reference (decode, chunks, mixed, any head size, KV splits, the stacked cache), cascade
 #      attention, and the engine's decode, mixed and cascade steps with the kernel against XLA;
 #      with two GPUs also tensor parallelism.
-#      With them the sampler (the two-round top-k on a 128,256 vocabulary) and the batch's wire.
+#      With them the sampler (the two-round top-k on a 128,256 vocabulary), the batch's wire,
+#      and async scheduling on against off (the next step reads the previous step's sampled
+#      tokens on the device: `batch.link_tokens`, never run on a GPU before this script had it).
 #   2. scripts/bench_attention.py: decode attention's share of HBM bandwidth, Pallas vs XLA.
 #   2b. scripts/profile_step.py: where a step's time goes, host (pack, launch, collect) and
 #      kernels, decode x1 and x64 at 2,048 cached tokens, with the kernel traces.
 #   3. scripts/bench_forward.py on the `llama-8b-shape` preset in bfloat16: decode at 64 x 2,048
 #      cached tokens against its roofline, and the mixed step against its parts.
+#   3b. scripts/bench_overlap.py: the engine's decode step with the host overlap off and on at
+#      64 running sequences (wall / max(host, device); the linked dispatch's first GPU number).
 #   4. hetero-jax bench: IBS against homogeneous at 9:1, 5:5 and 1:9 on the same preset.
 # Everything lands in one JSON, $OUT/gpu_check.json (OUT defaults to out/gpu_check). A stage that
 # fails does not stop the later ones (a lease is short): each stage's exit status is printed and
@@ -35,10 +39,12 @@ GPUS=$("$PY" -c "import jax; print(len(jax.devices()))")
 TP_TESTS=""
 if [ "$GPUS" -ge 2 ]; then TP_TESTS="tests/test_tensor_parallel.py"; fi
 # -p no:xdist -o addopts="": one process, slow tests included (the engine test is slow on CPUs).
-stage pytest timeout 300 "$PY" -m pytest -q -p no:xdist -p no:cacheprovider -o addopts="" \
+stage pytest timeout 360 "$PY" -m pytest -q -p no:xdist -p no:cacheprovider -o addopts="" \
     tests/test_pallas_attention.py tests/test_cascade.py \
     "tests/test_generate.py::test_pallas_attention_engine_matches_xla" $TP_TESTS \
-    tests/test_wire.py tests/test_sampler.py -k "not seeded_sampling" \
+    tests/test_wire.py tests/test_sampler.py \
+    "tests/test_async_scheduling.py::test_a_mixed_batch_is_the_same_with_the_overlap_on_and_off" \
+    -k "not seeded_sampling" \
     -rfE --tb=short --junitxml "$OUT/pytest.xml"
 stage attention timeout 80 "$PY" scripts/bench_attention.py --out "$OUT"
 stage profile timeout 100 "$PY" scripts/profile_step.py --preset llama-8b-shape --batches 1,64 \
@@ -46,6 +52,8 @@ stage profile timeout 100 "$PY" scripts/profile_step.py --preset llama-8b-shape 
 stage forward timeout 150 "$PY" scripts/bench_forward.py --preset llama-8b-shape \
     --batches 1,16,64 --context 2048 --chunk 512 --repeats 5 --mixed 4:60:16 \
     --json "$OUT/bench_forward.json"
+stage overlap timeout 90 "$PY" scripts/bench_overlap.py --preset llama-8b-shape --running 64 \
+    --queued 100 --steps 10 --repeats 3 --json "$OUT/bench_overlap.json"
 stage bench timeout 120 "$PY" -m hetero_jax.cli bench --preset llama-8b-shape \
     --schedulers ibs,homogeneous --ratios 9:1,5:5,1:9 --repeats 1 --json "$OUT/bench.json"
 "$PY" - "$OUT" <<'EOF'
