@@ -530,3 +530,23 @@ def test_bench_schedule_runs(tmp_path):
         assert 0 < r["schedule_p50_us"] <= r["schedule_p99_us"], r
         assert r["schedule_mean_us"] > 0 and r["update_mean_us"] > 0, r
     assert json.loads(path.read_text()) == rows
+
+
+def test_async_scheduling_lets_a_closed_loop_request_in_a_step_late():
+    """A client whose embedding finished submits its next one: it runs in the next step, or
+    with `async_scheduling` in the one after (the engine scheduled the next step already),
+    while a generation keeps the steps going; with nothing running it starts at once."""
+    from hetero_jax.sim.workload import RequestSpec
+
+    sched, _ = small_sim("fcfs")
+    gen, emb = RequestSpec(GENERATE, tuple(range(3, 11)), 6), RequestSpec(EMBED, (5,) * 8, 0)
+    for late, (second_end, lone_end) in ((False, (2.0, 2.0)), (True, (3.0, 2.0))):
+        ends = []
+        for specs, clients in (([gen, emb, emb], 2), ([emb, emb], 1)):
+            sim = Simulation(SimConfig(sched, WorkloadConfig(arrival="closed", clients=clients),
+                                       async_scheduling=late), UnitSteps())
+            sim.specs = specs
+            sim.run()
+            embeds = sorted(r.finish_time for r in sim.done if r.kind == EMBED)
+            ends.append(embeds[1])
+        assert tuple(ends) == (second_end, lone_end), late

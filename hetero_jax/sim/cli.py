@@ -168,6 +168,9 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--rate", type=real_range(0, open_lo=True), default=20.0,
                    help="requests/s (poisson)")
     w.add_argument("--clients", type=ints["clients"], default=32, help="closed-loop clients")
+    w.add_argument("--async-scheduling", choices=["on", "off"], default="off",
+                   help="closed: a client's next request joins the step after next, as in the "
+                   "engine, which schedules its next step while one runs")
     w.add_argument("--order", default="mixed", choices=ORDERS,
                    help="the order of embedding and generation requests in the workload")
     w.add_argument("--seed", type=int, default=0, help="workload lengths and arrival times")
@@ -268,7 +271,8 @@ def _configs(parser, args, cost) -> tuple:
             for (suffix, wl), (at, router) in itertools.product(workloads, routers):
                 names.append(f"{row}{'/no-cache' if both and not caching else ''}{suffix}{at}")
                 configs.append(SimConfig(policy_sched, wl, args.replicas,
-                                         split if name == "dedicated" else 0, router))
+                                         split if name == "dedicated" else 0, router,
+                                         async_scheduling=args.async_scheduling == "on"))
     return names, configs
 
 

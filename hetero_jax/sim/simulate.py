@@ -10,7 +10,10 @@ replicas that serve its type: every replica, or with `embed_replicas = k > 0` th
 split, k replicas for embeddings and the rest for generation (the paper's static split over
 disjoint devices). At a step's end a fake runner
 samples token 7 for every sampling item (sims never stop early: generation runs to its
-`max_tokens`) and `update()` advances the requests. Out: a `SimResult` with throughput per
+`max_tokens`) and `update()` advances the requests. In a closed loop a client submits its next
+request when its last one finishes; with `SimConfig.async_scheduling` that request first
+reaches a step after the next one, as in the engine, which scheduled its next step while this
+one ran. Out: a `SimResult` with throughput per
 type, p50/p99 latency and TTFT, average budget fill, the embedding share of the scheduled
 tokens and the prefix cache's hit rate.
 
@@ -52,6 +55,9 @@ class SimConfig:
     embed_replicas: int = 0  # > 0: the dedicated split (that many embedding-only replicas)
     router: RouterConfig | None = None  # None: least tokens
     cascade: CascadeSettings | None = None  # None: plain attention (every sequence reads all)
+    # closed loop: a client's next request joins the step after next, as in the engine with
+    # async scheduling (the next step was scheduled while this one ran)
+    async_scheduling: bool = False
 
 
 @dataclasses.dataclass
@@ -94,6 +100,7 @@ class Simulation:
         self.totals = _Totals()
         self._issued = 0
         self._cache_seed = chain_seed("hetero-jax sim", cfg.scheduler.page_size)
+        self._late: list = []  # async scheduling: requests to issue once the next steps start
         self.router = Router(cfg.replicas, cfg.router)
 
     def run(self) -> "SimResult":
@@ -116,6 +123,9 @@ class Simulation:
                     self._step_done(*data, now)
             for replica in self.replicas:
                 self._start(replica, now)
+            for t in self._late:  # submitted meanwhile: they wait for the step after
+                self._issue(t)
+            self._late = []
         return dataclasses.replace(SimResult.collect(self, now), **self._locality())
 
     def _locality(self) -> dict:
@@ -178,8 +188,12 @@ class Simulation:
         sampled = {it.request_id: SampledToken(7, 0.0) for it in out.items if it.samples}
         for req in replica.sched.update(out, RunnerOutput(sampled, dt), now):
             self.done.append(req)
-            if self.cfg.workload.arrival == "closed" and self._issued < len(self.specs):
-                self._issue(now)
+            if (self.cfg.workload.arrival == "closed"
+                    and self._issued + len(self._late) < len(self.specs)):
+                if self.cfg.async_scheduling:
+                    self._late.append(now)
+                else:
+                    self._issue(now)
         replica.busy = False
 
 
