@@ -16,10 +16,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
-import json
 
 from hetero_jax.sim.batching_table import main as batching_table
 from hetero_jax.sim.cli import sim_main
+from hetero_jax.sim.options import write_json
 from hetero_jax.sim.report import format_table
 
 PAPER = ("--policy ibs,ibs-paper,homogeneous --replicas 4 --cost roofline:a100-40gb "
@@ -110,8 +110,7 @@ def main(argv=None) -> list:
     print(format_table(shown, [("target", "target", "{}"), ("value", "value", "{:.3f}"),
                                ("threshold", "threshold", "{}"), ("", "met", "{}")]))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+        write_json(args.json, rows, indent=1)
     return rows
 
 
