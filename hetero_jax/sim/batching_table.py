@@ -149,11 +149,6 @@ def _results(args, cost, wl, cascade) -> dict:
     return out
 
 
-def _rps(r) -> float:
-    """Requests (generations and embeddings) completed per second."""
-    return sum(t["throughput_rps"] for t in r.per_type.values())
-
-
 def table(args) -> list:
     cost = load_cost_model(args.cost, args.model)
     spec: ModelSpec = MODELS[args.model]
@@ -187,10 +182,10 @@ def table(args) -> list:
 
 def _arm_row(row: dict, results: dict) -> dict:
     """The bandit beside fcfs and its best and worst fixed arms."""
-    arms = {n[len("feather["):-1]: _rps(r) for n, r in results.items()
+    arms = {n[len("feather["):-1]: r.requests_per_s for n, r in results.items()
             if n.startswith("feather[")}
     best = max(arms, key=arms.get)
-    fcfs, bandit = _rps(results["fcfs"]), _rps(results["feather-bandit"])
+    fcfs, bandit = results["fcfs"].requests_per_s, results["feather-bandit"].requests_per_s
     return dict(row, fcfs_rps=fcfs, best_arm=best, arm_rps=arms[best], bandit_rps=bandit,
                 vs_arm=bandit / arms[best], vs_fcfs=bandit / fcfs,
                 worst_rps=min(arms.values()), arms=arms,

@@ -100,7 +100,7 @@ class Simulation:
         self.totals = _Totals()
         self._issued = 0
         self._cache_seed = chain_seed("hetero-jax sim", cfg.scheduler.page_size)
-        self._late: list = []  # async scheduling: requests to issue once the next steps start
+        self._late = 0  # async scheduling: requests to issue (now) once the next steps start
         self.router = Router(cfg.replicas, cfg.router)
 
     def run(self) -> "SimResult":
@@ -123,9 +123,9 @@ class Simulation:
                     self._step_done(*data, now)
             for replica in self.replicas:
                 self._start(replica, now)
-            for t in self._late:  # submitted meanwhile: they wait for the step after
-                self._issue(t)
-            self._late = []
+            for _ in range(self._late):  # submitted meanwhile: they wait for the step after
+                self._issue(now)
+            self._late = 0
         return dataclasses.replace(SimResult.collect(self, now), **self._locality())
 
     def _locality(self) -> dict:
@@ -189,9 +189,9 @@ class Simulation:
         for req in replica.sched.update(out, RunnerOutput(sampled, dt), now):
             self.done.append(req)
             if (self.cfg.workload.arrival == "closed"
-                    and self._issued + len(self._late) < len(self.specs)):
+                    and self._issued + self._late < len(self.specs)):
                 if self.cfg.async_scheduling:
-                    self._late.append(now)
+                    self._late += 1
                 else:
                     self._issue(now)
         replica.busy = False
@@ -262,6 +262,11 @@ class SimResult:
                    tot.embed_tokens / max(tot.tokens, 1), tot.busy_s, tot.preemptions, per_type,
                    tot.tokens, query, hit, hit / query if query else None,
                    dataclasses.asdict(sim.router.stats))
+
+    @property
+    def requests_per_s(self) -> float:
+        """Requests of both types completed per second."""
+        return sum(t["throughput_rps"] for t in self.per_type.values())
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
