@@ -27,9 +27,10 @@ from hetero_jax.runner.wire import to_wire
 PARAMS = SamplingParams(max_tokens=1800, temperature=0, ignore_eos=True)
 
 
-def make_engine(preset: str, running: int) -> Engine:
-    """An engine whose steady decode-only step at `running` sequences needs few variants."""
-    budget = running + 256  # room for 4 prefill chunks beside every decode while ramping up
+def make_engine(preset: str, running: int, budget: int | None = None) -> Engine:
+    """An engine whose steady decode-only step at `running` sequences needs few variants
+    (`budget` None: room for 4 prefill chunks beside every decode while ramping up)."""
+    budget = budget or running + 256
     return Engine.from_preset(preset, config=EngineConfig(
         token_budget=budget, chunk_size=64, max_num_seqs=running, max_model_len=2048,
         token_buckets=tuple(sorted({64, running, budget})), seq_buckets=(running,),
@@ -138,13 +139,20 @@ def main(argv=None) -> list:
     ap.add_argument("--repeats", type=int, default=5, help="blocks per mode, alternating")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
+    return run_cases(args.running, lambda running: bench(
+        args.preset, running, args.queued, args.prompt_len, args.steps, args.repeats),
+        report, args.json)
+
+
+def run_cases(running: str, one, describe, json_path: str | None) -> list:
+    """`one(n)` for each comma-separated count of `running`, each result printed as
+    `describe` says; the list written to `json_path` (None: not written)."""
     results = []
-    for running in (int(x) for x in args.running.split(",")):
-        r = bench(args.preset, running, args.queued, args.prompt_len, args.steps, args.repeats)
-        print(report(r), flush=True)
-        results.append(r)
-    if args.json:
-        with open(args.json, "w") as f:
+    for n in (int(x) for x in running.split(",")):
+        results.append(one(n))
+        print(describe(results[-1]), flush=True)
+    if json_path:
+        with open(json_path, "w") as f:
             json.dump(results, f, indent=1)
     return results
 

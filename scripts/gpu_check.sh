@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One command on a fresh GPU machine (Python 3.12, jax 0.11.x with its CUDA plugin, no network;
-# or any machine with `pip install -e '.[cuda12]'`). About 9 minutes on one H200, 13 at most:
+# or any machine with `pip install -e '.[cuda12]'`). About 10 minutes on one H200, 14 at most:
 #   1. pytest in ONE process (two would each preallocate the GPU's memory; preallocation is off
 #      too): the Pallas kernel compiled through Triton against the XLA path and the float64
 #      reference (decode, chunks, mixed, any head size, KV splits, the stacked cache), cascade
@@ -16,6 +16,9 @@
 #      cached tokens against its roofline, and the mixed step against its parts.
 #   3b. scripts/bench_overlap.py: the engine's decode step with the host overlap off and on at
 #      64 running sequences (wall / max(host, device); the linked dispatch's first GPU number).
+#   3c. scripts/bench_host.py: the host's CPU a step by phase (schedule, pack, launch, collect,
+#      advance, settle) at 64 and 256 decoding sequences of the tiny preset, where a GPU step is
+#      short enough for the host to bound it.
 #   4. hetero-jax bench: IBS against homogeneous at 9:1, 5:5 and 1:9 on the same preset.
 # Everything lands in one JSON, $OUT/gpu_check.json (OUT defaults to out/gpu_check). A stage that
 # fails does not stop the later ones (a lease is short): each stage's exit status is printed and
@@ -54,6 +57,8 @@ stage forward timeout 150 "$PY" scripts/bench_forward.py --preset llama-8b-shape
     --json "$OUT/bench_forward.json"
 stage overlap timeout 90 "$PY" scripts/bench_overlap.py --preset llama-8b-shape --running 64 \
     --queued 100 --steps 10 --repeats 3 --json "$OUT/bench_overlap.json"
+stage host timeout 90 "$PY" scripts/bench_host.py --preset tiny --running 64,256 --steps 20 \
+    --repeats 3 --json "$OUT/bench_host.json"
 stage bench timeout 120 "$PY" -m hetero_jax.cli bench --preset llama-8b-shape \
     --schedulers ibs,homogeneous --ratios 9:1,5:5,1:9 --repeats 1 --json "$OUT/bench.json"
 "$PY" - "$OUT" <<'EOF'

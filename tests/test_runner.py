@@ -1,6 +1,5 @@
 """The runner's host side: a scheduled step packed onto the token axis, and the step's one
 device->host array read back through `PackedLayout`."""
-import dataclasses
 
 import jax.numpy as jnp
 import numpy as np
@@ -192,7 +191,7 @@ def test_link_tokens_points_each_placeholder_at_the_row_that_samples_it():
     assert linked.tokens.tolist() == batch.tokens.tolist(), "the ids stay: the device swaps"
     with pytest.raises(KeyError):
         link_tokens(batch, items, {8: 0}, PLACEHOLDER)
-    odd = [dataclasses.replace(items[0], token_ids=(1, PLACEHOLDER, 3))]
+    odd = [items[0]._replace(token_ids=(1, PLACEHOLDER, 3))]
     with pytest.raises(AssertionError, match="placeholder token is left"):
         link_tokens(pack_batch(odd, cfg)[1], odd, {}, PLACEHOLDER)
 

@@ -52,7 +52,7 @@ def test_a_step_with_a_penalized_row_is_not_planned():
                            token_ids=(7,), pages=(1, 2, 3, 4 + i), knobs=plain)
              for i in range(4)]
     assert CASCADE.plan(items, PS) is not None, "four decodes sharing 3 pages are planned"
-    items[2] = dataclasses.replace(items[2], knobs=penalized)
+    items[2] = items[2]._replace(knobs=penalized)
     assert CASCADE.plan(items, PS) is None
 
 

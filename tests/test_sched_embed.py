@@ -152,7 +152,7 @@ def test_items_are_plain_snapshots_and_times_are_stamped_by_update():
     sched.add(e)
     out = sched.schedule()
     assert all(type(v) in (int, str, bool, tuple, type(None), type(it.knobs))
-               for it in out.items for v in vars(it).values()), "a live object crossed"
+               for it in out.items for v in it._asdict().values()), "a live object crossed"
     (ei, gi) = out.items
     assert (ei.kind, ei.token_ids, ei.pool_slot, ei.ends) == (EMBED, tuple(e.prompt_token_ids[:8]),
                                                              e.pool_slot, False)

@@ -19,6 +19,8 @@ pages each. Empty tile rows hold -1; an unused tile has `tile_lens == 0`.
 """
 from __future__ import annotations
 
+import itertools
+
 import flax.struct
 import jax
 import jax.numpy as jnp
@@ -48,20 +50,40 @@ def cascade_arrays(page_tables: list, kv_lens: list, page_size: int, plan: tuple
                    num_seqs: int) -> CascadeMeta:
     """The plan of `plan_tiles` as numpy arrays of the given static shapes (padding: decode
     sequences past len(page_tables) have no pages)."""
+    held = np.fromiter(map(len, page_tables), np.int64, len(page_tables))
+    flat = np.fromiter(itertools.chain.from_iterable(page_tables), np.int64, int(held.sum()))
+    return cascade_arrays_flat(flat, np.cumsum(held) - held, np.asarray(kv_lens, np.int64),
+                               page_size, plan, num_tiles, rows, shared_pages, rest_pages,
+                               num_seqs)
+
+
+def cascade_arrays_flat(flat: np.ndarray, first: np.ndarray, kv_lens: np.ndarray,
+                        page_size: int, plan: tuple, num_tiles: int, rows: int,
+                        shared_pages: int, rest_pages: int, num_seqs: int) -> CascadeMeta:
+    """`cascade_arrays` of the page tables laid end to end in `flat`, table j from
+    `first[j]` (as the runner packs them: every page below is one numpy gather)."""
     tiles, offsets = plan
+    n, g = len(first), len(tiles)
+    size = np.fromiter((len(members) for members, _ in tiles), np.int64, g)
+    shared = np.fromiter((k for _, k in tiles), np.int64, g)
+    lead = np.fromiter((members[0] for members, _ in tiles), np.int64, g)
     tile_seqs = np.full((num_tiles, rows), -1, np.int32)
+    tile_seqs[:g][np.arange(rows) < size[:, None]] = np.fromiter(
+        itertools.chain.from_iterable(members for members, _ in tiles), np.int64, int(size.sum()))
+    col = np.arange(shared_pages)
+    fill = col < shared[:, None]  # [g, shared_pages]: a tile's shared pages, its lead's first
     tile_pages = np.zeros((num_tiles, shared_pages), np.int32)
+    tile_pages[:g][fill] = flat[(first[lead][:, None] + col)[fill]]
     tile_lens = np.zeros(num_tiles, np.int32)
-    for g, (members, n) in enumerate(tiles):
-        tile_seqs[g, :len(members)] = members
-        tile_pages[g, :n] = page_tables[members[0]][:n]
-        tile_lens[g] = n * page_size
+    tile_lens[:g] = shared * page_size
+    # each sequence's own pages: columns offsets[j]:ceil(kv_len / page_size) of its table
+    off = np.asarray(offsets, np.int64)
+    col = np.arange(rest_pages)
+    fill = col < (-(-kv_lens // page_size) - off)[:, None]  # [n, rest_pages]
     rest = np.zeros((num_seqs, rest_pages), np.int32)
+    rest[:n][fill] = flat[((first + off)[:, None] + col)[fill]]
     rest_lens = np.zeros(num_seqs, np.int32)
-    for j, (table, n) in enumerate(zip(page_tables, kv_lens)):
-        own = table[offsets[j]:-(-n // page_size)]
-        rest[j, :len(own)] = own
-        rest_lens[j] = n - offsets[j] * page_size
+    rest_lens[:n] = kv_lens - off * page_size
     return CascadeMeta(tile_seqs, tile_pages, tile_lens, rest, rest_lens)
 
 

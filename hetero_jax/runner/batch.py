@@ -25,11 +25,11 @@ import numpy as np
 
 from hetero_jax.config import EngineConfig
 from hetero_jax.models import llama
-from hetero_jax.ops.cascade import cascade_arrays, cascade_spec
+from hetero_jax.ops.cascade import cascade_arrays_flat, cascade_spec
 from hetero_jax.runner import pooler
 from hetero_jax.runner.sampler import SamplingKnobs
-from hetero_jax.sched import EMBED
-from hetero_jax.sched.shapes import step_key
+from hetero_jax.sched import DECODE, EMBED
+from hetero_jax.sched.shapes import key_of_step, step_key
 
 # A sampled row's knobs that change nothing (embedding rows and padding): temperature, top_k,
 # top_p, seed, step, presence, frequency, repetition, kv_len.
@@ -124,12 +124,13 @@ def pack_batch(items: list, cfg: EngineConfig,
     `plan`: the step's cascade plan (`SchedulerOutput.cascade`), None for plain attention.
     Whole-array numpy over the step's tokens: a per-item loop of small numpy writes cost
     about 6 us an item (1.6 ms of host at 256 decodes; 0.3 ms this way)."""
-    key = variant_of(items, cfg, plan)
-    t, s, sc, p, second = key
     ps, n = cfg.page_size, len(items)
-    counts = np.fromiter((it.num_tokens for it in items), np.int64, n)
-    starts = np.fromiter((it.start for it in items), np.int64, n)
-    num_pages = np.fromiter((len(it.pages) for it in items), np.int64, n)
+    counts, starts, num_pages, multi = np.array(
+        [(it.num_tokens, it.start, len(it.pages), it.kind != DECODE) for it in items],
+        np.int64).reshape(n, 4).T
+    key = key_of_step(int(counts.sum()), int(multi.sum()),
+                      (-(-(starts + counts) // ps)).tolist(), cfg.buckets(), plan)  # variant_of
+    t, s, sc, p, second = key
     cu = np.zeros(s + 1, np.int32)
     np.cumsum(counts, out=cu[1:n + 1])
     n_tok = int(cu[n])
@@ -164,8 +165,8 @@ def pack_batch(items: list, cfg: EngineConfig,
         tokens=tokens, positions=positions, slots=slots,
         meta=llama.AttnMeta(kv_lens=kv_lens, page_indices=page_indices, cu_q_lens=cu,
                             num_seqs=np.int32(n), cascade=None if plan is None else
-                            cascade_arrays([it.pages for it in items], list(kv_lens[:n]),
-                                           ps, plan, *cfg.cascade_tiles(s), second, p, s)),
+                            cascade_arrays_flat(pages, first_page, kv_lens[:n].astype(np.int64),
+                                                ps, plan, *cfg.cascade_tiles(s), second, p, s)),
         sample_rows=sample_rows, knobs=_pack_sampling(items, s),
         pool=_pack_pooling(items, rows, t, sc, cfg.max_num_seqs, ps), adapter_ids=adapter_ids,
         prev_rows=np.full(t, -1, np.int32))

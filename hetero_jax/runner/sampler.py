@@ -95,9 +95,14 @@ class Needs(NamedTuple):
 
 
 def needs(knobs: list) -> Needs:
-    """The `GenKnobs` of a step's sampled rows -> what its re-sampler must do."""
-    return Needs(any(k.penalized for k in knobs), any(k.temperature > 0 for k in knobs),
-                 any(k.logprobs for k in knobs))
+    """The `GenKnobs` of a step's sampled rows -> what its re-sampler must do (one pass: the
+    host asks it every step, of every sampled row)."""
+    penalized = filtered = ranked = False
+    for k in knobs:
+        penalized = penalized or k.penalized
+        filtered = filtered or k.temperature > 0
+        ranked = ranked or bool(k.logprobs)
+    return Needs(penalized, filtered, ranked)
 
 
 def top_k(x, k: int, group: int = 2048, max_rows: int = 1024):

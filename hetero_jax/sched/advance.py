@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from hetero_jax.sched.output import RunnerOutput, SchedulerOutput
+from hetero_jax.sched.output import DECODE, RunnerOutput, SchedulerOutput
 from hetero_jax.sched.request import EMBED, Status
 
 PLACEHOLDER = -1  # the id of an output token sampled by a step still running
@@ -47,15 +47,18 @@ class Ahead:
 def advance(sched, out: SchedulerOutput) -> Ahead:
     """Move the step's requests on as if it had run; see the module docstring."""
     ahead = Ahead(out)
+    requests, prefix, page_size = sched.requests, sched.prefix, sched.cfg.page_size
     for item in out.encoder_items + out.items:
-        req = sched.requests.get(item.request_id)
+        req = requests.get(item.request_id)
         if req is None or req.status is not Status.RUNNING:
             continue  # aborted after it was scheduled
         assert item.start == req.num_computed_tokens, (
             f"request {req.request_id}: {item.start=} != {req.num_computed_tokens=}")
-        before = req.num_pending
+        decode = item.kind == DECODE  # no pending input before it, none after it
+        before = 0 if decode else req.num_pending
         req.num_computed_tokens = item.start + item.num_tokens
-        sched.prefix.computed(req)
+        if req.num_computed_tokens // page_size > req.num_registered:
+            prefix.computed(req)  # a page filled
         reason = None
         if item.kind == EMBED:
             if item.ends:
@@ -65,7 +68,8 @@ def advance(sched, out: SchedulerOutput) -> Ahead:
             req.output_token_ids.append(PLACEHOLDER)
             req.output_logprobs.append(None)
             reason = _length_reached(req, sched.cfg.max_model_len)
-        sched.pending[req.kind] += req.num_pending - before
+        if not decode:
+            sched.pending[req.kind] += req.num_pending - before
         if reason:
             sched._finish(req, reason)
             ahead.ended.append(req)

@@ -13,6 +13,7 @@ that samples and one pooled vector per embedding request whose last chunk (or wh
 from __future__ import annotations
 
 import dataclasses
+import typing
 
 from hetero_jax.sched.request import EMBED, EmbedKnobs, GenKnobs
 
@@ -21,8 +22,10 @@ ITEM_KINDS = (EMBED, PREFILL, DECODE)
 KIND_ORDER = {kind: i for i, kind in enumerate(ITEM_KINDS)}
 
 
-@dataclasses.dataclass(frozen=True)
-class ScheduledItem:
+class ScheduledItem(typing.NamedTuple):
+    """One request's share of a step (a named tuple: the scheduler makes one per item per
+    step, a third the host time of a frozen dataclass)."""
+
     request_id: int
     kind: str  # EMBED | PREFILL | DECODE
     start: int  # position of the item's first token

@@ -104,12 +104,14 @@ class Request:
 
     @property
     def is_decoding(self) -> bool:
-        return bool(self.output_token_ids) and self.num_remaining == 1
+        out = self.output_token_ids  # spelt out: the scheduler asks this of every running one
+        return bool(out) and len(self.prompt_token_ids) + len(out) - self.num_computed_tokens == 1
 
     @property
     def num_pending(self) -> int:
         """Uncomputed input tokens: the work an IBS queue weighs (a decoding request has none)."""
-        return 0 if self.is_decoding else self.num_remaining
+        left = len(self.prompt_token_ids) + len(self.output_token_ids) - self.num_computed_tokens
+        return 0 if left == 1 and self.output_token_ids else left
 
     def token_ids(self, start: int, count: int) -> list:
         n = len(self.prompt_token_ids)

@@ -269,19 +269,22 @@ class Scheduler:
 
     def _schedule_decodes(self, step: _Step) -> None:
         decoding = [r for r in self.running if r.is_decoding and r.request_id not in step.entries]
+        room = self.cfg.page_size  # a decode needs a new page only where its last one is full
         for req in self.batching.decodes(decoding):  # batching.py: which of them run
             if step.budget <= 0:
                 return
-            if req.status is Status.RUNNING and self._reserve(req, 1, step):
-                step.add(_Entry(req, DECODE, req.num_computed_tokens, 1))
+            if req.status is Status.RUNNING and (req.num_computed_tokens < len(req.pages) * room
+                                                 or self._reserve(req, 1, step)):
+                step.entries[req.request_id] = _Entry(req, DECODE, req.num_computed_tokens, 1)
+                step.budget -= 1  # `step.add` of a one-token item, spelt out: once per decode
 
     def _candidates(self, kind: str, step: _Step):
         """(order key, request) of the requests of `kind` that may get a chunk, in order:
         running ones, then the waiting queue (the caller stops at a BLOCKED one; one held back
         for an in-flight prefix page is SKIPPED)."""
-        for req in list(self.running):
-            if (req.kind == kind and req.status is Status.RUNNING and not req.is_decoding
-                    and req.request_id not in step.entries):
+        for req in list(self.running):  # the step's decodes are in step.entries already
+            if (req.kind == kind and req.request_id not in step.entries
+                    and req.status is Status.RUNNING and not req.is_decoding):
                 yield (0, self._admission[req.request_id]), req
         queue = self.waiting[kind]
         for req in self.batching.order(queue) if kind == GENERATE else list(queue):
@@ -354,13 +357,14 @@ class Scheduler:
 
     @staticmethod
     def _snapshot(e: _Entry) -> ScheduledItem:
-        req = e.request
-        return ScheduledItem(
-            request_id=req.request_id, kind=e.kind, start=e.start, num_tokens=e.num_tokens,
-            ends=e.start + e.num_tokens == req.num_tokens,
-            token_ids=tuple(req.token_ids(e.start, e.num_tokens)), pages=tuple(req.pages),
-            knobs=req.knobs, num_output_tokens=len(req.output_token_ids),
-            pool_slot=req.pool_slot, num_cached_tokens=req.num_cached_tokens)
+        req, outs = e.request, e.request.output_token_ids
+        end = e.start + e.num_tokens
+        # a decode's one token is the request's last, which it sampled (positional: this runs
+        # once per item per step)
+        ids = (outs[-1],) if e.kind == DECODE else tuple(req.token_ids(e.start, e.num_tokens))
+        return ScheduledItem(req.request_id, e.kind, e.start, e.num_tokens,
+                             end == len(req.prompt_token_ids) + len(outs), ids, tuple(req.pages),
+                             req.knobs, len(outs), req.pool_slot, req.num_cached_tokens)
 
     def _check(self, out: SchedulerOutput) -> None:
         cfg, items = self.cfg, out.items

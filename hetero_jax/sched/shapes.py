@@ -88,9 +88,16 @@ def step_key(items: list, buckets: Buckets, page_size: int, plan: tuple | None =
     """The variant (T, S, Sc, pages_per_seq, second_pages) that holds `items` (`ScheduledItem`s
     sorted by kind); with a cascade `plan` (`sched.tiles.plan_tiles`, decode-only steps) Sc is
     0, second_pages the tiles' shared page bucket and pages_per_seq the pages after them."""
-    t, s, sc = buckets.step(sum(it.num_tokens for it in items), len(items),
-                            sum(it.kind != DECODE for it in items))
-    pages = [-(-(it.start + it.num_tokens) // page_size) for it in items]
+    return key_of_step(sum(it.num_tokens for it in items), sum(it.kind != DECODE for it in items),
+                       [-(-(it.start + it.num_tokens) // page_size) for it in items], buckets,
+                       plan)
+
+
+def key_of_step(tokens: int, chunks: int, pages, buckets: Buckets,
+                plan: tuple | None = None) -> tuple:
+    """`step_key` of a step of `tokens` tokens whose items (`chunks` multi-token ones first)
+    reach `pages` KV pages each (a sequence of ints, one per item)."""
+    t, s, sc = buckets.step(tokens, len(pages), chunks)
     if plan is not None:
         rest = max(n - off for n, off in zip(pages, plan[1]))
         shared = max(n for _, n in plan[0])

@@ -11,6 +11,7 @@ page of its context; with it each tile reads its shared pages once.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 
 from hetero_jax.sched.output import DECODE
@@ -35,7 +36,10 @@ def plan_tiles(page_tables: list, kv_lens: list, page_size: int, num_tiles: int,
     Returns ([(members, shared_pages)], rest_offsets [Sd]) or None when the kept tiles save
     fewer than `min_saved_pages` page reads.
     """
-    full = [tuple(t[:(n - 1) // page_size]) for t, n in zip(page_tables, kv_lens)]
+    # only a sequence whose first full page another one holds too can join a run
+    firsts = collections.Counter(t[0] for t, n in zip(page_tables, kv_lens) if n > page_size)
+    full = [tuple(t[:(n - 1) // page_size]) if n > page_size and firsts[t[0]] > 1 else ()
+            for t, n in zip(page_tables, kv_lens)]
     order = sorted((i for i in range(len(full)) if full[i]), key=lambda i: full[i])
     runs, i = [], 0
     while i < len(order):
