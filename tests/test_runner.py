@@ -21,7 +21,11 @@ def test_packed_layout_hand_computed():
     assert layout.size == len(packed)
     got_rows, vectors = layout.unpack(packed)
     assert layout.sampled_token(got_rows[1]) == SampledToken(7, -1.5, (2,), (-0.25,))
+    assert layout.sampled_token(got_rows[1], 0) == SampledToken(7, -1.5), "none asked, none read"
     assert vectors.tolist() == [[1.0, 2.0, 3.0]]
+    wide = PackedLayout(num_seqs=1, num_logprobs=3, num_chunk_seqs=0, dim=3)
+    row = [4.0, -0.1, 4.0, 9.0, 1.0, -0.1, -2.0, -3.0]  # K = 3: ids 4, 9, 1 and their log-probs
+    assert wide.sampled_token(row, 2) == SampledToken(4, -0.1, (4, 9), (-0.1, -2.0))
 
 
 def test_step_lies_embeddings_then_prefills_then_decodes_on_the_token_axis():

@@ -51,8 +51,11 @@ class PackedLayout:
         return (packed[:cut].reshape(self.num_seqs, self.row_width),
                 packed[cut:].reshape(self.num_chunk_seqs, self.dim))
 
-    def sampled_token(self, row) -> SampledToken:
-        """One row (a numpy row, or its `tolist()`: cheaper to read per element) -> its token."""
+    def sampled_token(self, row, top: int | None = None) -> SampledToken:
+        """One row (a numpy row, or its `tolist()`: cheaper to read per element) -> its token,
+        with its first `top` top log-probs (None: all K; 0 for a request that asked for none,
+        so the host builds no tuples for it)."""
         k = self.num_logprobs
-        return SampledToken(int(row[0]), float(row[1]), tuple(map(int, row[2:2 + k])),
-                            tuple(map(float, row[2 + k:])))
+        n = k if top is None else min(top, k)
+        return SampledToken(int(row[0]), float(row[1]), tuple(map(int, row[2:2 + n])),
+                            tuple(map(float, row[2 + k:2 + k + n])))
