@@ -10,10 +10,11 @@ import warnings
 import pytest
 
 from hetero_jax import Engine, EngineConfig, SamplingParams
-from hetero_jax.runner.batch import is_cascade, variant_of
+from hetero_jax.runner.batch import is_cascade
 from hetero_jax.runner.executables import CPU_COMPILE_OPTIONS, ExecutableCache, WarmManifest, \
     compile_options, enable_compile_cache
 from hetero_jax.sched import DECODE, PREFILL, ScheduledItem
+from hetero_jax.sched.shapes import step_key
 
 
 def _item(kind, num_tokens, pages):
@@ -38,7 +39,7 @@ def test_variants_are_exactly_the_reachable_steps():
                 for chunk_pages, decode_pages in itertools.product(cfg.page_buckets, repeat=2):
                     items = ([_item(PREFILL, n, chunk_pages) for n in lengths]
                              + [_item(DECODE, 1, decode_pages) for _ in range(d)])
-                    seen.add(variant_of(items, cfg))
+                    seen.add(step_key(items, cfg.buckets(), cfg.page_size))
     assert seen == set(cfg.variants())
 
 

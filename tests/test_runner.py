@@ -10,6 +10,7 @@ from hetero_jax.runner.batch import pack_batch
 from hetero_jax.runner.packed import PackedLayout
 from hetero_jax.sched import (DECODE, EMBED, PREFILL, EmbedKnobs, GenKnobs, Request,
                               RunnerOutput, SampledToken, Scheduler, SchedulerConfig)
+from hetero_jax.sched.shapes import step_key
 
 
 def test_packed_layout_hand_computed():
@@ -158,6 +159,7 @@ def test_pack_batch_equals_packing_item_by_item_on_random_steps():
                 tuple(pages), knobs, num_output_tokens=0 if kind == EMBED else rid,
                 pool_slot=rid if kind == EMBED else None))
         key, batch = pack_batch(items, cfg)
+        assert key == step_key(items, cfg.buckets(), cfg.page_size), "the arrays' key is the rule's"
         want = _reference_pack(items, cfg, key)
         for name in ("tokens", "positions", "slots", "adapter_ids", "sample_rows"):
             assert getattr(batch, name).tolist() == want[name], (trial, name)

@@ -29,7 +29,7 @@ from hetero_jax.ops.cascade import cascade_arrays_flat, cascade_spec
 from hetero_jax.runner import pooler
 from hetero_jax.runner.sampler import SamplingKnobs
 from hetero_jax.sched import DECODE, EMBED
-from hetero_jax.sched.shapes import key_of_step, step_key
+from hetero_jax.sched.shapes import key_of_step
 
 # A sampled row's knobs that change nothing (embedding rows and padding): temperature, top_k,
 # top_p, seed, step, presence, frequency, repetition, kv_len.
@@ -80,12 +80,6 @@ def batch_spec(cfg: EngineConfig, t: int, s: int, sc: int, p: int, second: int) 
         adapter_ids=i32(t), prev_rows=i32(t))
 
 
-def variant_of(items: list, cfg: EngineConfig, plan: tuple | None = None) -> tuple:
-    """The bucket variant (T, S, Sc, pages_per_seq, second_pages) that holds `items` under
-    the cascade `plan` (None: plain attention)."""
-    return step_key(items, cfg.buckets(), cfg.page_size, plan)
-
-
 def _pack_sampling(items: list, s: int) -> SamplingKnobs:
     """Sampling knobs, one row per generation item (embedding rows and padding keep the
     neutral ones). A knob out of its dtype's range raises numpy's OverflowError, naming it."""
@@ -129,7 +123,7 @@ def pack_batch(items: list, cfg: EngineConfig,
         [(it.num_tokens, it.start, len(it.pages), it.kind != DECODE) for it in items],
         np.int64).reshape(n, 4).T
     key = key_of_step(int(counts.sum()), int(multi.sum()),
-                      (-(-(starts + counts) // ps)).tolist(), cfg.buckets(), plan)  # variant_of
+                      (-(-(starts + counts) // ps)).tolist(), cfg.buckets(), plan)  # step_key
     t, s, sc, p, second = key
     cu = np.zeros(s + 1, np.int32)
     np.cumsum(counts, out=cu[1:n + 1])

@@ -3,7 +3,8 @@
 In: the bucket lists of a resolved `EngineConfig` (`Buckets`) and a step's sizes (tokens,
 sequences, multi-token items, pages per sequence, a cascade plan). Out: the variant key
 `(T, S, Sc, pages_per_seq, second_pages)`. One rule, two readers: the runner packs a step under
-the key of its items (`step_key`, from `runner/batch.variant_of`) and `EngineConfig.variants()`
+the key of its items (`step_key`; `runner/batch.pack_batch` reads it off its arrays through
+`key_of_step`) and `EngineConfig.variants()`
 enumerates every key the rule can give (`Buckets.variants`), so warm-up compiles exactly the
 reachable steps. `pad_to_bucket` is the one bucketing helper of the package.
 """
