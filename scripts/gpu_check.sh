@@ -22,7 +22,9 @@
 #   4. hetero-jax bench: IBS against homogeneous at 9:1, 5:5 and 1:9 on the same preset.
 # Everything lands in one JSON, $OUT/gpu_check.json (OUT defaults to out/gpu_check). A stage that
 # fails does not stop the later ones (a lease is short): each stage's exit status is printed and
-# the script exits non-zero if any failed.
+# the script exits non-zero if any failed. STAGES="pytest attention" runs only the stages named
+# (pytest attention profile forward overlap host bench), to split the run over two commands
+# where one may run at most 10 minutes.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-$(command -v python3 || command -v python)}"
@@ -32,8 +34,9 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export XLA_PYTHON_CLIENT_PREALLOCATE=false HETERO_JAX_PALLAS_INTERPRET=0 PYTHONUNBUFFERED=1
 "$PY" -c "import jax; assert jax.default_backend() == 'gpu', jax.devices(); print(jax.__version__, jax.devices())" || exit 1
 FAILED=""
-stage() {  # stage NAME COMMAND...: run it, note a failure, go on
+stage() {  # stage NAME COMMAND...: run it (unless STAGES names others), note a failure, go on
     local name=$1; shift
+    if [ -n "${STAGES:-}" ] && [[ " $STAGES " != *" $name "* ]]; then return; fi
     "$@"; local rc=$?
     echo "stage $name: exit $rc"
     if [ $rc -ne 0 ]; then FAILED="$FAILED $name"; fi
@@ -57,7 +60,7 @@ stage forward timeout 150 "$PY" scripts/bench_forward.py --preset llama-8b-shape
     --json "$OUT/bench_forward.json"
 stage overlap timeout 90 "$PY" scripts/bench_overlap.py --preset llama-8b-shape --running 64 \
     --queued 100 --steps 10 --repeats 3 --json "$OUT/bench_overlap.json"
-stage host timeout 90 "$PY" scripts/bench_host.py --preset tiny --running 64,256 --steps 20 \
+stage host timeout 75 "$PY" scripts/bench_host.py --preset tiny --running 64,256 --steps 10 \
     --repeats 3 --json "$OUT/bench_host.json"
 stage bench timeout 120 "$PY" -m hetero_jax.cli bench --preset llama-8b-shape \
     --schedulers ibs,homogeneous --ratios 9:1,5:5,1:9 --repeats 1 --json "$OUT/bench.json"
