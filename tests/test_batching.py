@@ -345,7 +345,8 @@ def test_feather_bandit_learns_nothing_from_rounds_no_arm_could_change():
 
 
 def test_an_unknown_batching_name_raises_naming_it():
-    with pytest.raises(ValueError, match="unknown batching policy 'sjf'; expected one of fcfs"):
+    with pytest.raises(ValueError,
+                       match="batching='sjf' is not a batching policy; expected one of fcfs"):
         Scheduler(config(batching="sjf"))
 
 

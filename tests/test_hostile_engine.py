@@ -215,7 +215,7 @@ def test_one_list_of_token_ids_is_one_prompt_as_in_openais_api(engine):
 # -- 9. EngineConfig types and relations ----------------------------------------------------
 
 @pytest.mark.parametrize("fields,message", [
-    (dict(batching=["fcfs"]), r"unknown batching policy \['fcfs'\]; expected one of"),
+    (dict(batching=["fcfs"]), r"batching=\['fcfs'\] is not a batching policy; expected one of"),
     (dict(token_buckets=()), r"token_buckets=\(\) must hold at least one"),
     (dict(seq_buckets=[]), r"seq_buckets=\[\] must hold at least one"),
     (dict(chunk_size=512, token_budget=256), "chunk_size=512 exceeds token_budget=256"),

@@ -344,7 +344,7 @@ POLICIES = {p.name: p for p in (FcfsBatching, LpmBatching, FeatherBatching,
 
 def check_batching(name) -> str:
     if not isinstance(name, str) or name not in POLICIES:
-        raise ValueError(f"unknown batching policy {name!r}; expected one of "
+        raise ValueError(f"batching={name!r} is not a batching policy; expected one of "
                          f"{', '.join(BATCHING)}")
     return name
 
