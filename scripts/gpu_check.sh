@@ -60,7 +60,7 @@ stage forward timeout 150 "$PY" scripts/bench_forward.py --preset llama-8b-shape
     --json "$OUT/bench_forward.json"
 stage overlap timeout 90 "$PY" scripts/bench_overlap.py --preset llama-8b-shape --running 64 \
     --queued 100 --steps 10 --repeats 3 --json "$OUT/bench_overlap.json"
-stage host timeout 75 "$PY" scripts/bench_host.py --preset tiny --running 64,256 --steps 10 \
+stage host timeout 120 "$PY" scripts/bench_host.py --preset tiny --running 64,256 --steps 10 \
     --repeats 3 --json "$OUT/bench_host.json"
 stage bench timeout 120 "$PY" -m hetero_jax.cli bench --preset llama-8b-shape \
     --schedulers ibs,homogeneous --ratios 9:1,5:5,1:9 --repeats 1 --json "$OUT/bench.json"
