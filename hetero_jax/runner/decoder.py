@@ -361,7 +361,7 @@ class DecoderRunner:
         result = RunnerOutput()
         for i, it in enumerate(launched.items):
             if it.samples:
-                result.sampled[it.request_id] = layout.sampled_token(  # top: none asked
+                result.sampled[it.request_id] = layout.sampled_token(  # top-K only if asked
                     rows[i], None if it.knobs.logprobs else 0)
             elif it.kind == EMBED and it.ends:
                 result.embeddings[it.request_id] = vectors[i].copy()
