@@ -14,7 +14,8 @@ from hetero_jax.sched.output import SchedulerOutput
 from hetero_jax.sim import load_cost_model
 from hetero_jax.sched.costmodel import StepShape
 from hetero_jax.sched.tiles import CascadeSettings, kv_pages_saved
-from hetero_jax.sim.simulate import SimConfig, simulate, without_kv_reads
+from hetero_jax.sim.simulate import (SimConfig, page_reuse, served_by_l2, simulate,
+                                     without_kv_reads)
 from hetero_jax.sim.workload import LengthDist, WorkloadConfig
 
 
@@ -199,3 +200,70 @@ def test_mixed_cascade_reads_the_decodes_shared_pages_once_beside_a_prefill():
     assert kv_pages_saved(items, 16, CascadeSettings(8, 16, 32)) == 0
     assert kv_pages_saved(items, 16, CascadeSettings(8, 16, 32, mixed=True)) == 32
     assert kv_pages_saved(items[1:], 16, CascadeSettings(8, 16, 32)) == 32
+
+
+def test_page_reuse_counts_each_page_past_its_first_read_and_the_pages_read_again():
+    """4 decodes on 10 shared pages and one own page each read 44 pages, 14 distinct, 10 of
+    them more than once; a page held past a sequence's KV length is not read."""
+    items = [decode(i, list(range(1, 11)) + [100 + i], 10 * 16 + 5) for i in range(4)]
+    assert page_reuse(items, 16) == (30, 10)
+    ahead = [decode(7, list(range(1, 11)) + [200, 201], 10 * 16 + 5)]  # 201: the next page
+    assert page_reuse(items + ahead, 16) == (40, 10)
+    assert page_reuse(items[:1], 16) == (0, 0)
+
+
+def test_l2_serves_the_repeated_reads_cascade_left_while_the_shared_pages_fit():
+    """Plain attention: 660 context tokens, 480 of them repeated reads of 160 shared tokens.
+    With those inside the L2 only the 180 distinct ones come from HBM; with half of them
+    inside, half the repeats do. Cascade's saved reads are not served twice: whole tiles
+    leave nothing to L2, 2-row tiles leave the repeats across tiles, and L2 then reads what it
+    does for plain attention."""
+    items = [decode(i, list(range(1, 11)) + [100 + i], 10 * 16 + 5) for i in range(4)]
+    out = SchedulerOutput(items, [])
+    repeated, reused = (16 * n for n in page_reuse(items, 16))
+    plain = StepShape.from_output(out, 16)
+    assert served_by_l2(plain, repeated, reused, 160).kv_read_tokens == 180
+    assert served_by_l2(plain, repeated, reused, 80).kv_read_tokens == 660 - 240
+    assert served_by_l2(plain, repeated, reused, 0).kv_read_tokens == 660
+    whole = StepShape.from_output(out, 16, CascadeSettings(8, 16, 32))
+    assert served_by_l2(whole, repeated, reused, 160) == whole
+    pairs = StepShape.from_output(out, 16, CascadeSettings(2, 16, 32))
+    assert 180 < pairs.kv_read_tokens < 660
+    assert served_by_l2(pairs, repeated, reused, 160).kv_read_tokens == 180
+
+
+def test_the_batching_table_credits_l2_on_a_roofline_only(capsys):
+    """--l2-share: plain attention over 2 groups' shared 256-token prefixes reads less from
+    HBM; refused with a cost model that has no L2, and outside [0, 1]."""
+    from hetero_jax.sim.batching_table import main
+
+    off = {r["batching"]: r for r in main(SMALL_TABLE)}
+    on = {r["batching"]: r for r in main(SMALL_TABLE + ["--l2-share", "0.5"])}
+    assert on["fcfs"]["kv_gb"] < 0.5 * off["fcfs"]["kv_gb"]
+    assert on["fcfs"]["gen_rps"] > off["fcfs"]["gen_rps"]
+    with pytest.raises(ValueError, match="--l2-share 0.5 needs a roofline"):
+        main(SMALL_TABLE + ["--l2-share", "0.5", "--cost", "calibration/small-cpu.json"])
+    with pytest.raises(SystemExit):
+        main(SMALL_TABLE + ["--l2-share", "1.5"])
+    assert "--l2-share" in capsys.readouterr().err
+
+
+def test_with_l2_credited_feathers_admission_order_reads_less_kv_than_fcfs():
+    """The paper's mechanism in the model: 8 groups of 16 prompts on 256-token prefixes in a
+    burst, 32 sequences. Without locality fcfs and feather read the same KV; with an L2 that
+    holds two prefixes, fcfs's steps (every group at once) hit it for a fifth of their
+    repeats and feather's (a few groups at a time) read under a third of fcfs's KV."""
+    wl = WorkloadConfig(name="shared-prefix", groups=8, prompts_per_group=16, prefix_len=256,
+                        suffix_len=16, gen_output=LengthDist((32,)), embed_frac=0.0,
+                        arrival="burst", clients=32)
+    cost = load_cost_model("roofline:h200", "llama-3-8b")
+
+    def kv(batching, l2):
+        sched = SchedulerConfig(token_budget=512, chunk_size=256, max_num_seqs=32,
+                                max_chunk_seqs=4, num_pages=8192, max_model_len=1024,
+                                prefix_caching=True, batching=batching)
+        return simulate(SimConfig(sched, wl, l2_kv_tokens=l2), cost).kv_read_tokens
+
+    assert kv("feather", 0) == pytest.approx(kv("fcfs", 0), rel=0.01)
+    assert kv("fcfs", 512) > 0.75 * kv("fcfs", 0)
+    assert kv("feather", 512) < kv("fcfs", 512) / 3

@@ -127,11 +127,12 @@ class Hardware:
     mfu: float = 0.6  # achievable fraction of peak FLOP/s
     mbu: float = 0.8  # achievable fraction of peak bandwidth
     step_overhead_s: float = 2e-4  # launch, host and sampling overhead per step
+    l2_bytes: float = 0.0  # the L2 cache (the simulator's locality what-if, `--l2-share`)
 
 
 HARDWARE = {h.name: h for h in (
-    Hardware("a100-40gb", 312e12, 1.555e12, 40e9),
-    Hardware("h200", 989e12, 4.8e12, 141e9),
+    Hardware("a100-40gb", 312e12, 1.555e12, 40e9, l2_bytes=40 * 2**20),
+    Hardware("h200", 989e12, 4.8e12, 141e9, l2_bytes=50 * 2**20),
 )}
 
 

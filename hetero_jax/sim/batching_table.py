@@ -14,7 +14,10 @@ decode batch, the steps that used cascade, the share of decode steps on one pref
 prefix-cache hit rate, the bandit's best arm and the row's no-KV ceiling: its ratio to that
 baseline had each of its steps read no KV (the most any sharing of KV reads, cascade's
 included, could give these steps under the cost model). `--planned-tiles`: cascade tiles sized by
-the planner instead of `--cascade-rows` rows. With `--arms`, the bandit's target instead: one row per workload x mix x cascade
+the planner instead of `--cascade-rows` rows. `--l2-share F` (a roofline only) credits
+locality: repeated reads of a step's shared pages come from the share F of the GPU's L2 while
+those pages fit (`sim.simulate`, "Locality", says what that assumes); the KV column is then
+what HBM served. With `--arms`, the bandit's target instead: one row per workload x mix x cascade
 setting with fcfs, every arm of `feather-bandit` run alone as a fixed `feather` on the same
 trace, and the bandit; requests per second (generations and embeddings) of fcfs, of the best
 fixed arm (named) and of the bandit, and the bandit over each. `--json PATH` writes the rows.
@@ -30,7 +33,8 @@ import itertools
 from hetero_jax.sched import BATCHING, SchedulerConfig
 from hetero_jax.sched.bandit import DEFAULT_ARMS
 from hetero_jax.sched.batching import FeatherConfig
-from hetero_jax.sched.costmodel import HARDWARE, MODELS, ModelSpec, load_cost_model
+from hetero_jax.sched.costmodel import (HARDWARE, MODELS, ModelSpec, RooflineCostModel,
+                                        load_cost_model)
 from hetero_jax.sched.tiles import CascadeSettings
 from hetero_jax.sim.options import int_range, on_off, output_file, real_range, write_json
 from hetero_jax.sim.report import format_table
@@ -90,6 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "length), not --cascade-rows rows each")
     p.add_argument("--mixed-cascade", action="store_true",
                    help="cascade also over the decodes of mixed steps (not in the engine yet)")
+    p.add_argument("--l2-share", type=real_range(0, 1), default=0.0,
+                   help="the share of the GPU's L2 that holds KV: repeated reads of a step's "
+                   "shared pages hit it while those pages fit (0: no locality)")
     p.add_argument("--policy", default="ibs", help="the scheduling policy (embed vs generate)")
     p.add_argument("--json", metavar="PATH", type=output_file)
     return p
@@ -136,8 +143,19 @@ def _settings(args) -> list:
     return out
 
 
-def _results(args, cost, wl, cascade) -> dict:
-    """{contender name: SimResult} on one workload and cascade setting."""
+def l2_kv_tokens(cost, spec: ModelSpec, share: float) -> int:
+    """KV tokens of one layer that `share` of the cost model's GPU L2 holds (0 for none)."""
+    if not share:
+        return 0
+    if not isinstance(cost, RooflineCostModel) or not cost.hardware.l2_bytes:
+        raise ValueError(f"--l2-share {share} needs a roofline with an L2 size, not "
+                         f"{cost.describe()}")
+    return int(share * cost.hardware.l2_bytes * spec.num_layers / spec.kv_bytes_per_token)
+
+
+def _results(args, cost, wl, cascade, l2: int) -> dict:
+    """{contender name: SimResult} on one workload and cascade setting (`l2`: the L2's KV
+    tokens a layer, `l2_kv_tokens`)."""
     out = {}
     for name, batching, feather in _contenders(args):
         sched = SchedulerConfig(
@@ -145,16 +163,17 @@ def _results(args, cost, wl, cascade) -> dict:
             max_chunk_seqs=args.max_chunk_seqs, page_size=16, num_pages=args.num_pages,
             max_model_len=args.prefix_len + args.suffix_len + args.output_len,
             policy=args.policy, prefix_caching=True, batching=batching, feather=feather)
-        out[name] = simulate(SimConfig(sched, wl, cascade=cascade), cost)
+        out[name] = simulate(SimConfig(sched, wl, cascade=cascade, l2_kv_tokens=l2), cost)
     return out
 
 
 def table(args) -> list:
     cost = load_cost_model(args.cost, args.model)
     spec: ModelSpec = MODELS[args.model]
+    l2 = l2_kv_tokens(cost, spec, args.l2_share)
     rows = []
     for label, mix, cascade, wl, settings in _settings(args):
-        results = _results(args, cost, wl, settings)
+        results = _results(args, cost, wl, settings, l2)
         if args.arms:
             rows.append(_arm_row(dict(workload=label, mix=mix, cascade=cascade), results))
             continue

@@ -30,9 +30,19 @@ mean decode batch and the share of decode steps whose sequences all start on one
 attention read no KV at all (`kv_free_s`: the floor under any sharing of KV reads, cascade's
 included). The fake runner reports the cost model's step time, so the `feather-bandit`
 batching policy learns from simulated tokens per second. Imports no jax.
+
+Locality (`SimConfig.l2_kv_tokens` > 0; off by default): the paper's mechanism for a plain
+kernel, a batch whose sequences share a prefix keeping that prefix's KV in the GPU's L2. What
+it assumes: a step's attention reads each layer's KV in one pass; the first read of a page
+comes from HBM; a later read of a page that another sequence of the step read too comes from
+L2 with probability min(1, L2's KV share / the layer's pages read more than once), so a
+shared prefix hits while the step's shared prefixes fit, and pages read once only stream
+through (no kernel order or eviction by them is modelled). Those reads count as saved, like
+cascade's, so `kv_read_tokens` is then what HBM served (`served_by_l2`).
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import heapq
 import itertools
@@ -58,6 +68,9 @@ class SimConfig:
     # closed loop: a client's next request joins the step after next, as in the engine with
     # async scheduling (the next step was scheduled while this one ran)
     async_scheduling: bool = False
+    # KV tokens of one layer that the L2 holds (the share of the L2 left to KV, over a token's
+    # KV bytes in one layer); 0: no locality, every read is HBM's (module docstring)
+    l2_kv_tokens: int = 0
 
 
 @dataclasses.dataclass
@@ -166,12 +179,16 @@ class Simulation:
             return
         out = replica.sched.schedule()
         assert out.items, "the scheduler produced an empty step while requests are pending"
-        shape = StepShape.from_output(out, self.cfg.scheduler.page_size, self.cfg.cascade)
-        dt = self.cost.step_time(shape)
+        page = self.cfg.scheduler.page_size
+        shape = StepShape.from_output(out, page, self.cfg.cascade)
         tot = self.totals
+        tot.cascade_steps += shape.shared_kv_tokens > 0
+        if self.cfg.l2_kv_tokens:
+            repeated, reused = page_reuse(out.items, page)
+            shape = served_by_l2(shape, page * repeated, page * reused, self.cfg.l2_kv_tokens)
+        dt = self.cost.step_time(shape)
         tot.kv_free_s += self.cost.step_time(without_kv_reads(shape))
         tot.kv_read_tokens += shape.kv_read_tokens
-        tot.cascade_steps += shape.shared_kv_tokens > 0
         tot.decode_steps += shape.decode_tokens > 0
         tot.homogeneous_decode_steps += one_prefix_group(out.items)
         tot.decode_tokens += shape.decode_tokens
@@ -203,6 +220,29 @@ def without_kv_reads(shape: StepShape) -> StepShape:
     return dataclasses.replace(shape, shared_kv_tokens=shape.context_tokens)
 
 
+def page_reuse(items: list, page_size: int) -> tuple:
+    """(repeated reads, reused pages) of a step's attention: the page reads beyond the first
+    read of each page (a page that k of its sequences read, a shared prefix, counts k - 1),
+    and how many distinct pages are read more than once (the working set that L2 would have
+    to hold for those repeats to hit)."""
+    reads = collections.Counter(itertools.chain.from_iterable(
+        it.pages[:-(-(it.start + it.num_tokens) // page_size)] for it in items))
+    reused = [n for n in reads.values() if n > 1]
+    return sum(reused) - len(reused), len(reused)
+
+
+def served_by_l2(shape: StepShape, repeated_tokens: int, reused_tokens: int,
+                 l2_kv_tokens: int) -> StepShape:
+    """`shape` with the repeated reads (`repeated_tokens`, less those cascade already saved)
+    that L2 serves counted as saved: all of them while the reused pages (`reused_tokens` of
+    KV, the shared prefixes) fit in `l2_kv_tokens`, that fraction of them when they do not."""
+    repeats = repeated_tokens - shape.shared_kv_tokens
+    if repeats <= 0:
+        return shape
+    served = int(repeats * min(1.0, l2_kv_tokens / reused_tokens))
+    return dataclasses.replace(shape, shared_kv_tokens=shape.shared_kv_tokens + served)
+
+
 def one_prefix_group(items: list) -> bool:
     """Whether a step's decodes all start on the same KV page: one prefix group (shared
     cached pages), the batch Feather wants; False without decodes."""
@@ -231,7 +271,7 @@ class SimResult:
     cache_hit_tokens: int  # of those, the ones found (and so never scheduled)
     cache_hit_rate: float | None  # hit / query tokens; None when nothing was looked up
     routing: dict = dataclasses.field(default_factory=dict)  # the router's RoutingStats
-    kv_read_tokens: int = 0  # KV tokens the attention read, every step
+    kv_read_tokens: int = 0  # KV tokens the attention read from HBM (less L2's: l2_kv_tokens)
     cascade_steps: int = 0  # steps that read shared pages once per tile
     mean_decode_batch: float = 0.0  # decode tokens per step that has any
     homogeneous_decode_share: float = 0.0  # of the steps with decodes: one prefix group's
