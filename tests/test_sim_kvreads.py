@@ -251,8 +251,8 @@ def test_the_batching_table_credits_l2_on_a_roofline_only(capsys):
 def test_with_l2_credited_feathers_admission_order_reads_less_kv_than_fcfs():
     """The paper's mechanism in the model: 8 groups of 16 prompts on 256-token prefixes in a
     burst, 32 sequences. Without locality fcfs and feather read the same KV; with an L2 that
-    holds two prefixes, fcfs's steps (every group at once) hit it for a fifth of their
-    repeats and feather's (a few groups at a time) read under a third of fcfs's KV."""
+    holds two prefixes, fcfs's steps (every group at once) save under a quarter of their
+    reads and feather's (a few groups at a time) read under a third of fcfs's KV."""
     wl = WorkloadConfig(name="shared-prefix", groups=8, prompts_per_group=16, prefix_len=256,
                         suffix_len=16, gen_output=LengthDist((32,)), embed_frac=0.0,
                         arrival="burst", clients=32)
