@@ -212,7 +212,12 @@ def _arm_row(row: dict, results: dict) -> dict:
 
 
 def main(argv=None) -> list:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:  # a cost model that cannot load, or --l2-share without an L2: a usage error
+        l2_kv_tokens(load_cost_model(args.cost, args.model), MODELS[args.model], args.l2_share)
+    except (OSError, ValueError) as e:
+        parser.error(str(e))
     rows = table(args)
     print(f"cost model {args.cost} / {args.model}; {args.prompts_per_group} requests per group, "
           f"prefix {args.prefix_len} + suffix {args.suffix_len} tokens, {args.output_len} "
