@@ -167,10 +167,10 @@ def _results(args, cost, wl, cascade, l2: int) -> dict:
     return out
 
 
-def table(args) -> list:
-    cost = load_cost_model(args.cost, args.model)
+def table(args, cost, l2: int) -> list:
+    """The rows of `args` under `cost` (a loaded cost model) with `l2` KV tokens of L2 a
+    layer (`l2_kv_tokens`)."""
     spec: ModelSpec = MODELS[args.model]
-    l2 = l2_kv_tokens(cost, spec, args.l2_share)
     rows = []
     for label, mix, cascade, wl, settings in _settings(args):
         results = _results(args, cost, wl, settings, l2)
@@ -215,10 +215,11 @@ def main(argv=None) -> list:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:  # a cost model that cannot load, or --l2-share without an L2: a usage error
-        l2_kv_tokens(load_cost_model(args.cost, args.model), MODELS[args.model], args.l2_share)
+        cost = load_cost_model(args.cost, args.model)
+        l2 = l2_kv_tokens(cost, MODELS[args.model], args.l2_share)
     except (OSError, ValueError) as e:
         parser.error(str(e))
-    rows = table(args)
+    rows = table(args, cost, l2)
     print(f"cost model {args.cost} / {args.model}; {args.prompts_per_group} requests per group, "
           f"prefix {args.prefix_len} + suffix {args.suffix_len} tokens, {args.output_len} "
           f"outputs, {args.clients if args.arrival == 'closed' else 'all'} at once "
