@@ -90,9 +90,10 @@ class EngineConfig:
     # Schedule and pack step N+1 while step N runs on the device, as vLLM's async scheduling
     # (serving/overlap.py); the results are the same, False runs every step in sequence.
     async_scheduling: bool = True
-    # Cascade attention in decode-only steps: decode sequences sharing pages are cut into tiles
-    # of `cascade_rows` that read the shared pages once; a step uses it when the tiles save at
-    # least `cascade_min_pages` page reads. cascade_rows=0 turns it off.
+    # Cascade attention: decode sequences sharing pages are cut into tiles that read the shared
+    # pages once; a step uses it when the tiles save at least `cascade_min_pages` page reads.
+    # XLA: decode-only steps, tiles of `cascade_rows`. Pallas: any step, tiles as long as the
+    # sharing runs (their size is data, not a variant). cascade_rows=0 turns it off.
     cascade_rows: int = 8
     cascade_min_pages: int = 16
     # What `Engine.warmup()` compiles: "all" (every variant of `variants()`), "lazy" (none: each
@@ -226,7 +227,7 @@ class EngineConfig:
         jax `backend` the engine runs on; None: 16). With
         attention_impl="pallas" the default page buckets are one (pages_per_seq): the kernel
         loops over each sequence's pages, so a page table's width costs it nothing and a
-        bucket per width would only multiply the variants (20 instead of 106 by default)."""
+        bucket per width would only multiply the variants (17 instead of 106 by default)."""
         if self.token_budget is None:
             known = self.cost_model if hasattr(self.cost_model, "step_time") else None
             budget = max(engine_budget(known), self.chunk_size or 1)
@@ -266,11 +267,18 @@ class EngineConfig:
         return Buckets(self.token_buckets, self.seq_buckets, self.page_buckets,
                        self.chunk_seq_buckets)
 
+    def tiles_as_data(self) -> bool:
+        """Whether every step carries its cascade tiles as arrays (`ops.cascade.TileList`: the
+        Pallas kernel, tiles planned in any step) rather than a cascade step being a variant
+        of its own (XLA: decode-only steps)."""
+        return self.attention_impl == "pallas" and self.cascade_rows > 0
+
     def cascade_settings(self) -> CascadeSettings:
         """The cascade knobs with this config's sequence buckets (unresolved and unset: the
         default buckets of max_num_seqs, as resolve() would fill them)."""
+        data = self.tiles_as_data()
         return CascadeSettings(self.cascade_rows, self.cascade_min_pages, self.max_num_seqs,
-                               self.seq_buckets)
+                               self.seq_buckets, planned=data, mixed=data)
 
     def cascade_tiles(self, s: int) -> tuple:
         """(tiles G, rows M) of a cascade step with S sequence slots."""
@@ -281,7 +289,8 @@ class EngineConfig:
         (`sched.shapes.Buckets.variants`; the chunk group's own page bucket adds 28 variants
         for the defaults, where every bucket below pages_per_seq would add 42)."""
         return self.buckets().variants(self.token_budget, self.chunk_size, self.max_num_seqs,
-                                       self.max_chunk_seqs, self.cascade_rows > 0)
+                                       self.max_chunk_seqs,
+                                       self.cascade_rows > 0 and not self.tiles_as_data())
 
     def scheduler_config(self, model_cfg=None, encoder_max_seqs: int = 0) -> SchedulerConfig:
         """The host scheduler's settings of a resolved config: its sizes, policies, cascade

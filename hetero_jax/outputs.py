@@ -123,7 +123,7 @@ class EngineStats:
     cache_query_tokens: int = 0
     cache_hit_tokens: int = 0
     cache_evictions: int = 0
-    cascade_steps: int = 0  # decode steps that read shared pages once per tile (cascade)
+    cascade_steps: int = 0  # steps whose decodes read shared pages once per tile (cascade)
     # the batching policy's `stats()` after the last step, plain data: {"batching": its name}
     # for fcfs and lpm; feather adds "arm" (its (loss_limit, cap), "loss<=2,cap=max") and
     # "floor"; feather-bandit adds "rounds" played, the arm's "plays" and "mean_reward" (its

@@ -7,8 +7,10 @@ import numpy as np
 import pytest
 
 from hetero_jax.ops import ragged_paged_attention, ragged_paged_attention_reference
-from hetero_jax.ops.cascade import cascade_arrays
-from hetero_jax.sched.tiles import plan_tiles
+from hetero_jax.ops.cascade import cascade_arrays, tile_list_arrays
+from hetero_jax.sched import DECODE, EMBED, PREFILL, ScheduledItem
+from hetero_jax.sched.request import GenKnobs
+from hetero_jax.sched.tiles import CascadeSettings, plan_tiles
 from tests.batches import shared_prefix_batch
 from tests.script_loader import load_script
 
@@ -46,15 +48,42 @@ def test_xla_cascade_equals_plain_and_reference(name, hq, hkv, d):
     assert np.all(got[int(b["cu_q_lens"][-1]):] == 0), "padding rows must come back as zeros"
 
 
-@pytest.mark.parametrize("name", ["ragged groups", "with chunks"])
-def test_pallas_cascade_equals_plain(name):
-    rng = np.random.default_rng(len(name))
-    b, meta, hints = plan_case(rng, *CASES[name], 8, 2, 32)
+PALLAS_CASES = dict(CASES, **{  # tiles past one block of members, and none at all
+    "long tile": ([(3, [30 + i for i in range(20)]), (2, [20, 22])], [(9, 4)]),
+    "nothing shared": ([(0, [5, 20, 33])], [(7, 9), (3, 0)]),
+})
+
+
+def tile_list_case(rng, groups, chunks, hq, hkv, d):
+    """A batch and its plan as the Pallas kernel takes it: tiles of any size (planned, at most
+    S // 2 of them), indices over the step's sequences, chunks first."""
+    b, tables, lens = shared_prefix_batch(rng, groups, hq, hkv, d, PS, chunks)
+    s = b["kv_lens"].shape[0]
+    plan = plan_tiles(tables, lens, PS, s // 2, s, min_saved_pages=1)
+    if plan is not None:
+        lead = len(chunks)
+        plan = ([([lead + j for j in m], n) for m, n in plan[0]], [0] * lead + plan[1])
+    return b, tile_list_arrays(plan, s, PS), plan
+
+
+@pytest.mark.parametrize("name,hq,hkv,d", [
+    ("ragged groups", 8, 2, 32), ("with chunks", 8, 2, 32), ("unshared too", 12, 4, 48),
+    ("long tile", 8, 2, 16), ("nothing shared", 4, 4, 32)])
+def test_pallas_tile_list_equals_plain_and_reference(name, hq, hkv, d):
+    """The kernel's tiles as data (mixed steps too, any tile size, 20 members spanning two
+    blocks of 16) equal the plain kernel and the float64 reference at 1e-5, decode-only
+    (split KV) and mixed; a step with no tiles runs its empty tile launch and is plain."""
+    rng = np.random.default_rng(hq + d + len(name))
+    b, tiles, plan = tile_list_case(rng, *PALLAS_CASES[name], hq, hkv, d)
+    assert (plan is None) == (name == "nothing shared"), plan
+    assert name != "long tile" or max(len(m) for m, _ in plan[0]) == 20
     interpret = os.environ.get("HETERO_JAX_PALLAS_INTERPRET", "1") != "0"  # gpu_check.sh: 0
+    hints = dict(num_multi_query_seqs=len(PALLAS_CASES[name][1]))
     with jax.default_matmul_precision("highest"):  # no TF32 on a GPU
-        plain = np.asarray(ragged_paged_attention(**b, impl="pallas", interpret=interpret))
+        plain = np.asarray(ragged_paged_attention(**b, impl="pallas", interpret=interpret,
+                                                  **hints))
         got = np.asarray(ragged_paged_attention(**b, impl="pallas", interpret=interpret,
-                                                **hints, cascade=meta))
+                                                **hints, cascade=tiles))
     np.testing.assert_allclose(got, plain, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(got, ragged_paged_attention_reference(**b), rtol=1e-5, atol=1e-5)
     assert np.all(got[int(b["cu_q_lens"][-1]):] == 0)
@@ -71,6 +100,24 @@ def test_plan_tiles_by_hand():
     # tile that saves most reads
     assert plan_tiles(tables, lens, PS, 1, 2, 1)[0] == [([0, 3], 2)]
     assert plan_tiles(tables, lens, PS, 4, 8, min_saved_pages=6) is None  # saves 2*2 + 1 = 5
+
+
+def test_a_mixed_steps_plan_indexes_the_steps_sequences():
+    """With `mixed` (the Pallas engine) the decodes after two chunks are planned, their tiles
+    and offsets over the step's indices (chunks skip nothing); without it, or with a
+    penalized decode, the step runs plain."""
+    shared = (9, 4)
+    items = [ScheduledItem(7, EMBED, 0, 5, False, pages=(30,)),
+             ScheduledItem(8, PREFILL, 8, 8, False, pages=(31, 32)),
+             ScheduledItem(1, DECODE, 3 * PS, 1, True, pages=shared + (11, 12)),
+             ScheduledItem(2, DECODE, 2 * PS + 3, 1, True, pages=shared + (13,))]
+    mixed = CascadeSettings(8, 1, 8, planned=True, mixed=True)
+    assert mixed.plan(items, PS) == ([([3, 2], 2)], [0, 0, 2, 2])  # sorted by page table
+    assert CascadeSettings(8, 1, 8).plan(items, PS) is None
+    assert CascadeSettings(8, 1, 8).plan(items[2:], PS) == ([([1, 0], 2)], [2, 2])
+    knobs = GenKnobs(0.0, 0, 1.0, 0, None, repetition=1.2)
+    penalized = items[:3] + [items[3]._replace(knobs=knobs)]
+    assert mixed.plan(penalized, PS) is None
 
 
 def test_a_sequence_keeps_its_last_page():

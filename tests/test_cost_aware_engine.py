@@ -78,7 +78,7 @@ def test_the_budget_comes_from_the_cost_model_the_engine_knows():
     assert known_cost_model(small, "gpu", "NVIDIA A100-SXM4-40GB", 2).hardware.name == "a100-40gb"
     assert known_cost_model(small, "gpu", "NVIDIA L4", 2) is None and engine_budget(None) == 256
     wide = gpu_lowering.gpu_config(small, EngineConfig(cost_model=h200))
-    assert (wide.token_budget, wide.chunk_size, len(wide.variants())) == (512, 128, 23)
+    assert (wide.token_budget, wide.chunk_size, len(wide.variants())) == (512, 128, 20)
     engine = Engine.from_preset("tiny", config=dataclasses.replace(
         CFG, token_budget=None, chunk_size=None, token_buckets=None, cost_model=AlwaysSplit()))
     assert engine.config.token_budget == 512 and engine.scheduler.cfg.step_cost is not None

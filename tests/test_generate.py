@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from hetero_jax import Engine, EngineConfig, SamplingParams
+from hetero_jax.runner.batch import uses_cascade
 from tests.hf_models import hf_logits
 from tests.model_runs import full_logits
 
@@ -108,11 +109,13 @@ def test_preemption_recomputes_and_loses_nothing():
 def test_pallas_attention_engine_matches_xla():
     """Decode, mixed and cascade steps give the same tokens and log-probs with the Pallas
     kernel, in the unrolled layer loop (a Python int layer) and in `scan` (a traced one, as on
-    GPUs). On a CPU the kernel runs in interpret mode; scripts/gpu_check.sh runs this on a GPU
-    (float32 at the highest matmul precision, so TF32 does not blur the comparison)."""
+    GPUs); with Pallas, cascade also runs in mixed steps (the shared prompts decode while the
+    last, long one prefills). On a CPU the kernel runs in interpret mode; scripts/gpu_check.sh
+    runs this on a GPU (float32 at the highest matmul precision, so TF32 does not blur the
+    comparison)."""
     shared = list(range(60, 100))  # 5 pages of 8 shared: decode steps run as cascade steps
     ps = [[256] + list(range(40, 40 + n)) for n in (3, 30, 11)] + [
-        [256] + shared + [n] for n in (7, 8, 9)]
+        [256] + shared + [n] for n in (7, 8, 9)] + [[256] + list(range(100, 190))]
     sp = SamplingParams(max_tokens=6, temperature=0.0, logprobs=1)
     cfg = dataclasses.replace(CFG, dtype="float32", cascade_min_pages=1)
     runs = []
@@ -120,8 +123,16 @@ def test_pallas_attention_engine_matches_xla():
         for impl, loop in (("xla", "auto"), ("pallas", "unrolled"), ("pallas", "scan")):
             engine = Engine.from_preset("tiny", config=dataclasses.replace(
                 cfg, attention_impl=impl, layer_loop=loop))
+            steps, launch = [], engine.runner.launch
+
+            def record(items, key, batch, launch=launch, steps=steps):
+                steps.append((key[2] > 0, uses_cascade(batch)))
+                return launch(items, key, batch)
+
+            engine.runner.launch = record
             runs.append(engine.generate(ps, sp, use_tqdm=False))
             assert engine.runner.cascade_steps > 0, (impl, loop)
+            assert ((True, True) in steps) == (impl == "pallas"), (impl, loop, steps)
     for run in runs[1:]:
         for x, p in zip(runs[0], run):
             assert x.token_ids == p.token_ids

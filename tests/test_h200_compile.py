@@ -33,8 +33,8 @@ def test_step_temporaries_below_one_layer_of_kv(preset, key):
     temp = compiled.memory_analysis().temp_size_in_bytes
     one_layer = h200.one_layer_kv_bytes(model_cfg, cfg)
     assert temp < one_layer / 4, f"{temp=} vs one layer's K+V {one_layer}"
-    text = compiled.as_text()  # the unrolled layers: one launch each
-    assert text.count('custom_call_target="__gpu$xla.gpu.triton"') == model_cfg.num_layers
+    text = compiled.as_text()  # the unrolled layers: two launches each (own pages, tiles)
+    assert text.count('custom_call_target="__gpu$xla.gpu.triton"') == 2 * model_cfg.num_layers
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])

@@ -156,7 +156,7 @@ def test_a_plan_made_once_gives_the_same_answer():
     b = ragged_case(np.random.default_rng(4), "mixed", 9, 8, 4, 64)
     block_q = default_block_q(8, 4, decode_only=False)
     plan = plan_work(b["kv_lens"], b["page_indices"], b["cu_q_lens"], b["num_seqs"],
-                     b["q"].shape[0], 16, block_q=block_q, num_multi_query_seqs=9)
+                     b["q"].shape[0], 16, block_q=block_q)
     got = np.asarray(ragged_paged_attention_pallas(**b, plan=plan, num_multi_query_seqs=9,
                                                    interpret=INTERPRET))
     np.testing.assert_array_equal(got, pallas(b))

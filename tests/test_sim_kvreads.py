@@ -185,14 +185,16 @@ def test_feathers_homogeneous_arm_keeps_decode_steps_on_one_prefix_group():
 
 
 def test_planned_tiles_cover_every_group():
-    """(G, M) = (S, S) when the planner sizes the tiles, else S // rows tiles of rows."""
+    """(G, M) = (S // 2, S) when the planner sizes the tiles (a tile has two members or
+    more), else S // rows tiles of rows."""
     assert CascadeSettings(8, 16, 256).tiles(200) == (32, 8)
-    assert CascadeSettings(8, 16, 256, planned=True).tiles(200) == (256, 256)
+    assert CascadeSettings(8, 16, 256, planned=True).tiles(200) == (128, 256)
 
 
 def test_mixed_cascade_reads_the_decodes_shared_pages_once_beside_a_prefill():
-    """Two decodes on the same 32 cached pages beside a prefill chunk: the engine's cascade
-    (decode-only steps) saves nothing; modelled in mixed steps it saves 32 page reads."""
+    """Two decodes on the same 32 cached pages beside a prefill chunk: cascade in decode-only
+    steps (the XLA engine's) saves nothing; in mixed steps (the Pallas engine's) it saves 32
+    page reads."""
     shared = tuple(range(1, 33))
     items = [ScheduledItem(9, PREFILL, 0, 16, False, pages=(40,)),
              ScheduledItem(1, DECODE, 520, 1, True, pages=shared + (50,)),

@@ -20,7 +20,7 @@ from hetero_jax import EmbedRequest, Engine, EngineConfig, GenerateRequest, Pool
 from hetero_jax.models.layers import row_major_mlp
 from hetero_jax.models.presets import preset_config
 from hetero_jax.ops import ragged_paged_attention
-from hetero_jax.ops.cascade import cascade_arrays
+from hetero_jax.ops.cascade import tile_list_arrays
 from hetero_jax.runner import sharding
 from hetero_jax.serving import engine as engine_module
 
@@ -132,8 +132,7 @@ def kernel_per_shard() -> list:
                for shape in ((16, 4, 8), (12, 4, 2, 8), (12, 4, 2, 8)))  # Hq=4, Hkv=2, ps=4
     kv_lens, cu = jnp.array([9, 5, 7], jnp.int32), jnp.array([0, 7, 8, 9], jnp.int32)
     pages = jnp.array([[0, 1, 2], [3, 4, 0], [3, 5, 0]], jnp.int32)
-    plan = jax.tree.map(jnp.asarray, cascade_arrays([[3, 4], [3, 5]], [5, 7], 4,
-                                                    ([([0, 1], 1)], [1, 1]), 1, 2, 1, 2, 2))
+    plan = jax.tree.map(jnp.asarray, tile_list_arrays(([([1, 2], 1)], [0, 1, 1]), 3, 4))
     attn = functools.partial(ragged_paged_attention, impl="pallas", interpret=True, max_q_len=8,
                              num_multi_query_seqs=1)
     sharded = jax.jit(sharding.shard_attention(attn, Mesh(np.array(jax.devices()), ("tp",))))

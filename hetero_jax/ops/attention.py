@@ -15,9 +15,10 @@ the runner sorts chunks before decode tokens, so this holds by construction. A t
 their own few keys. Left at their defaults (`None`) the hints make the first group cover
 everything, which is always correct.
 With a `cascade` plan (`cascade.CascadeMeta`, indices relative to the decode group) the decode
-group reads the pages its sequences share once per tile (`cascade.attend_decode_cascade`);
-the result is the same. With `decode_block_pages` (the CPU runner's choice) the decode group
-reads its keys that many pages at a time, only as far as its longest sequence.
+group reads the pages its sequences share once per tile (`cascade.attend_decode_cascade`); the
+result is the same. The Pallas kernel takes the plan as a `cascade.TileList`. With
+`decode_block_pages` (the CPU runner's choice) the decode group reads its keys that many pages
+at a time, only as far as its longest sequence.
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hetero_jax.ops.cascade import CascadeMeta, attend_decode_cascade
+from hetero_jax.ops.cascade import CascadeMeta, TileList, attend_decode_cascade
 from hetero_jax.ops.pallas_attention import KernelPlan, ragged_paged_attention_pallas
 
 _MASKED = -1e30
@@ -167,7 +168,8 @@ def _ragged_paged_attention_xla(q, k_cache, v_cache, layer, kv_lens, page_indice
 def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *,
                            layer=None, sm_scale=None, impl="xla", max_q_len=None,
                            num_multi_query_seqs=None, chunk_pages=None, interpret=False,
-                           cascade: CascadeMeta | None = None, plan: KernelPlan | None = None,
+                           cascade: CascadeMeta | TileList | None = None,
+                           plan: KernelPlan | None = None,
                            decode_block_pages: int | None = None):
     """Attention of ragged new tokens over paged KV; see the module docstring.
 
@@ -175,13 +177,14 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens
     scalar) the whole stacked cache [L, P, page_size, Hkv, D] of which layer `layer` is read;
     kv_lens [S]; page_indices [S, pps]; cu_q_lens [S+1]; num_seqs int32 scalar. Static hints:
     `max_q_len` bounds the queries of each of the first `num_multi_query_seqs` sequences; all
-    later sequences have one query. `cascade` (arrays; its decode group is sequences
-    num_multi_query_seqs.. of S) reads shared prefixes once per tile; the decode rows of
-    `page_indices` are then not read. `plan` (Pallas only: `pallas_attention.plan_work` of the
-    step) is the kernel's work list, computed once per step. `decode_block_pages` (XLA
-    only): read the decode group's keys that many pages at a time, looping only as far as
-    its longest sequence (a data-dependent loop: for a CPU, where the loop's test is cheap and
-    a gather of the whole page bucket is not); None gathers the bucket at once.
+    later sequences have one query. `cascade` reads shared prefixes once per tile: for XLA a
+    `CascadeMeta` (its decode group is sequences num_multi_query_seqs.. of S; their rows of
+    `page_indices` are then not read), for Pallas a `TileList`. `plan` (Pallas only:
+    `pallas_attention.plan_work` of the step) is the kernel's work list, computed once per step.
+    `decode_block_pages` (XLA only): read the decode group's keys that many pages at a time,
+    looping only as far as its longest sequence (a data-dependent loop: for a CPU, where the
+    loop's test is cheap and a gather of the whole page bucket is not); None gathers the bucket
+    at once.
     """
     t, hq, d = q.shape
     s = kv_lens.shape[0]
@@ -190,11 +193,13 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens
     max_q_len = t if max_q_len is None else min(max_q_len, t)
     num_multi_query_seqs = s if num_multi_query_seqs is None else min(num_multi_query_seqs, s)
     if impl == "xla":
+        assert cascade is None or isinstance(cascade, CascadeMeta), type(cascade)
         return _ragged_paged_attention_xla(q, k_pages, v_pages, layer, kv_lens, page_indices,
                                            cu_q_lens, num_seqs, sm_scale, max_q_len,
                                            num_multi_query_seqs, chunk_pages, cascade,
                                            decode_block_pages)
     if impl == "pallas":
+        assert cascade is None or isinstance(cascade, TileList), type(cascade)
         return ragged_paged_attention_pallas(q, k_pages, v_pages, kv_lens, page_indices,
                                              cu_q_lens, num_seqs, layer=layer, plan=plan,
                                              sm_scale=sm_scale, interpret=interpret,

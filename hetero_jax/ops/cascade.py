@@ -16,6 +16,11 @@ version used by `attention.ragged_paged_attention(..., cascade=meta)`.
 
 Shapes: G tiles of M rows; Ps shared pages per tile; Sd decode sequences with Pr remaining
 pages each. Empty tile rows hold -1; an unused tile has `tile_lens == 0`.
+
+The Pallas kernel takes the same plan in another form, `TileList` (`tile_list_arrays`): tiles
+of any size as one flat list of members with offsets, every index a sequence of the step, so
+it is present in every step at shapes fixed by S (a step with nothing shared has no tiles) and
+needs no variant of its own; each sequence's own part starts `skip_pages` into its page table.
 """
 from __future__ import annotations
 
@@ -85,6 +90,45 @@ def cascade_arrays_flat(flat: np.ndarray, first: np.ndarray, kv_lens: np.ndarray
     rest_lens = np.zeros(num_seqs, np.int32)
     rest_lens[:n] = kv_lens - off * page_size
     return CascadeMeta(tile_seqs, tile_pages, tile_lens, rest, rest_lens)
+
+
+@flax.struct.dataclass
+class TileList:
+    """Cascade tiles as data (the Pallas kernel's form): G = S // 2 tiles at most, each of two
+    or more of the step's S sequences."""
+
+    tile_rows: jax.Array  # [S] int32: the tiles' members (sequence indices), by tile; -1 after
+    tile_starts: jax.Array  # [G + 1] int32: tile g's members are tile_rows[starts[g]:starts[g+1]]
+    tile_lead: jax.Array  # [G] int32: a member whose page table begins with the shared pages
+    tile_lens: jax.Array  # [G] int32: shared tokens (whole pages; 0 = no tile)
+    skip_pages: jax.Array  # [S] int32: pages before a sequence's own part (its tile's shared)
+
+
+def tile_list_spec(num_seqs: int) -> TileList:
+    """Shape structs of the `TileList` of a step with `num_seqs` (S) sequence slots."""
+    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
+    g = num_seqs // 2
+    return TileList(i32(num_seqs), i32(g + 1), i32(g), i32(g), i32(num_seqs))
+
+
+def tile_list_arrays(plan: tuple | None, num_seqs: int, page_size: int) -> TileList:
+    """A plan of `plan_tiles` ([(members, shared pages)], pages to skip [n]; its indices the
+    step's sequences) as a `TileList` for S = `num_seqs` slots; None: no tiles."""
+    g = num_seqs // 2
+    rows, skip = np.full(num_seqs, -1, np.int32), np.zeros(num_seqs, np.int32)
+    starts, lead, lens = np.zeros(g + 1, np.int32), np.zeros(g, np.int32), np.zeros(g, np.int32)
+    if plan is not None:
+        tiles, offsets = plan
+        n = len(tiles)
+        assert n <= g, f"{n} tiles in a step of {num_seqs} sequence slots"
+        members = list(itertools.chain.from_iterable(m for m, _ in tiles))
+        rows[:len(members)] = members
+        starts[1:n + 1] = np.cumsum([len(m) for m, _ in tiles])
+        starts[n + 1:] = len(members)
+        lead[:n] = [m[0] for m, _ in tiles]
+        lens[:n] = [k * page_size for _, k in tiles]
+        skip[:len(offsets)] = offsets
+    return TileList(rows, starts, lead, lens, skip)
 
 
 def _gather(pages, table):

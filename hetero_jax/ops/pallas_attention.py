@@ -7,20 +7,27 @@ past `cu_q_lens[num_seqs]` zero. The float64 ground truth is
 `attention.ragged_paged_attention_reference`.
 
 Design. `plan_work` (once per step) cuts every sequence's new tokens into query blocks of
-`block_q` tokens and lists them as work items `[W, 5]` (seq, first token, token count, position
-of the first token, KV tokens to read); the padding tail after `cu_q_lens[num_seqs]` is one more
-pseudo-sequence with no KV, so its rows are written as zeros. `W` is a static bound (about
-`T / block_q + S + 1`, at most `T`); spare items have no tokens and return at once. The grid is
-`(Hkv, W, splits)`: one program per (kv head, query block, KV split) takes the `Hq // Hkv`
-query heads of its kv head together, so its tile is `block_q * group_pad` rows of (token, head)
-pairs (`group_pad` = the group rounded up to a power of two for Triton). It streams its split's
-KV blocks of `pages_per_block` whole pages through an online softmax, gathering rows of the
-stacked cache in place through the page table and the layer index (no layer is sliced out: a
-copy), masks causally, and stores only its valid rows with their log-sum-exp; splits are merged
-by log-sum-exp after the launch. Decode tokens (one query) and chunks (many) share the one
-launch: a decode sequence is simply a work item with one token. A decode-only launch uses 16-row
-tiles and splits the KV axis (flash-decoding) when kv heads x items would leave SMs idle. Any
-head size runs: `q` is padded to a power of two and K/V's padded columns are masked on load.
+`block_q` tokens and lists them as work items `[W, 6]` (seq, first token, token count, position
+of the first token, KV tokens to read, first page to read); the padding tail after
+`cu_q_lens[num_seqs]` is one more pseudo-sequence with no KV, so its rows are written as zeros.
+`W` is a static bound (about `T / block_q + S + 1`, at most `T`); spare items have no tokens and
+return at once. The grid is `(Hkv, W, splits)`: one program per (kv head, query block, KV split)
+takes the `Hq // Hkv` query heads of its kv head together, so its tile is `block_q * group_pad`
+rows of (token, head) pairs (`group_pad` = the group rounded up to a power of two for Triton).
+It streams its split's KV blocks of `pages_per_block` whole pages through an online softmax,
+gathering rows of the stacked cache in place through the page table and the layer index (no
+layer is sliced out: a copy), masks causally, and stores only its valid rows with their
+log-sum-exp; splits are merged by log-sum-exp after the launch. Decode tokens (one query) and
+chunks (many) share the one launch: a decode sequence is simply a work item with one token. A
+decode-only launch uses 16-row tiles and splits the KV axis (flash-decoding) when kv heads x
+items would leave SMs idle. Any head size runs: `q` is padded to a power of two and K/V's padded
+columns are masked on load.
+
+Cascade (`cascade.TileList`, in every step of a Pallas engine): a second launch whose work items
+are (tile, block of 64 (token, head) rows) reads each tile's shared pages once per item, the
+first launch reads each sequence's pages after them (the item's first page), and the two parts
+merge by log-sum-exp. A step without tiles runs the second launch over items that are all
+empty, so sharing is data, not a variant, and works in mixed steps as in decode-only ones.
 """
 from __future__ import annotations
 
@@ -35,7 +42,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 import numpy as np
 
-from hetero_jax.ops.cascade import merge_parts
+from hetero_jax.ops.cascade import TileList, merge_parts
 
 _MASKED = -0.7 * float(np.finfo(np.float32).max)
 H200_SMS = 132  # streaming multiprocessors of the GPU the defaults are sized for
@@ -45,7 +52,7 @@ def _ragged_paged_attention_kernel(work_ref, page_ref, layer_ref, q_ref, k_ref, 
                                    lse_ref, *, sm_scale, block_q, group, group_pad,
                                    num_kv_heads, page_size, pages_per_block, head_dim, num_splits,
                                    precision, spare_rows):
-    """One (kv head, query block, KV split): work_ref [W, 5], page_ref [S, pps'], layer_ref [1],
+    """One (kv head, query block, KV split): work_ref [W, 6], page_ref [S, pps'], layer_ref [1],
     q_ref [T * Hq, Dp], k_ref/v_ref [L, P * page_size * Hkv, D] (the whole stacked cache, read
     in place: row = (page * page_size + slot) * Hkv + head of layer `layer_ref[0]`),
     o_ref [splits, T * Hq (+ M spare rows in interpret mode), Dp], lse_ref [splits, T * Hq (+ M)]:
@@ -54,7 +61,7 @@ def _ragged_paged_attention_kernel(work_ref, page_ref, layer_ref, q_ref, k_ref, 
     masked on load and never stored by the caller."""
     h, w, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     seq, q_start, q_count = work_ref[w, 0], work_ref[w, 1], work_ref[w, 2]
-    q_pos0, kv_end = work_ref[w, 3], work_ref[w, 4]
+    q_pos0, kv_end, first_page = work_ref[w, 3], work_ref[w, 4], work_ref[w, 5]
     layer = layer_ref[0]
     m_rows = block_q * group_pad
     rows = jnp.arange(m_rows)
@@ -75,7 +82,7 @@ def _ragged_paged_attention_kernel(work_ref, page_ref, layer_ref, q_ref, k_ref, 
 
     def body(kb, carry):
         o, m, l = carry
-        page = page_ref[seq, kb * pages_per_block + slot // page_size]  # [block_k]
+        page = page_ref[seq, first_page + kb * pages_per_block + slot // page_size]
         kv_rows = (page * page_size + slot % page_size) * num_kv_heads + h
         key_pos = kb * block_k + slot  # [block_k]
         k = load_kv(k_ref, kv_rows)
@@ -108,16 +115,21 @@ def _ragged_paged_attention_kernel(work_ref, page_ref, layer_ref, q_ref, k_ref, 
     pltriton.store(lse_ref.at[split, o_rows], lse, mask=row_ok)
 
 
-def _work_list(kv_lens, cu_q_lens, num_seqs, num_tokens, block_q, num_items, max_kv):
-    """kv_lens [S], cu_q_lens [S+1] -> work [W, 5] int32, one row per query block:
-    (seq, q_start, q_count, q_pos0, kv_end). Item seq == S is the zero-filled padding tail;
-    kv_end <= max_kv (the page table's capacity) keeps reads in bounds whatever kv_lens says."""
+def _work_list(kv_lens, cu_q_lens, num_seqs, num_tokens, block_q, num_items, max_kv,
+               skip_pages=None, page_size: int = 1):
+    """kv_lens [S], cu_q_lens [S+1] -> work [W, 6] int32, one row per query block:
+    (seq, q_start, q_count, q_pos0, kv_end, first_page). Item seq == S is the zero-filled
+    padding tail; kv_end <= max_kv (the page table's capacity) keeps reads in bounds whatever
+    kv_lens says. With `skip_pages` [S] (a cascade's shared pages) a sequence's keys start
+    that many pages into its table, and its positions count from there."""
     s = kv_lens.shape[0]
     seq_valid = jnp.arange(s) < num_seqs
     end = cu_q_lens[num_seqs]
     starts = jnp.append(cu_q_lens[:-1], end)  # [S+1]
     lens = jnp.append(jnp.where(seq_valid, cu_q_lens[1:] - cu_q_lens[:-1], 0), num_tokens - end)
-    ctx = jnp.append(jnp.where(seq_valid, kv_lens, 0), 0)
+    skip = jnp.zeros(s + 1, jnp.int32) if skip_pages is None else jnp.append(
+        jnp.where(seq_valid, skip_pages, 0), 0)
+    ctx = jnp.append(jnp.where(seq_valid, kv_lens, 0), 0) - skip * page_size
     blocks = pl.cdiv(lens, block_q)  # [S+1]
     first_block = jnp.cumsum(blocks) - blocks
     w = jnp.arange(num_items)
@@ -128,9 +140,11 @@ def _work_list(kv_lens, cu_q_lens, num_seqs, num_tokens, block_q, num_items, max
     off = (w - first_block[seq]) * block_q
     q_count = jnp.where(live, jnp.clip(lens[seq] - off, 0, block_q), 0)
     q_pos0 = ctx[seq] - lens[seq] + off
-    kv_end = jnp.where(live & (seq < s), jnp.minimum(q_pos0 + q_count, max_kv), 0)
+    kv_end = jnp.where(live & (seq < s),
+                       jnp.minimum(q_pos0 + q_count, max_kv - skip[seq] * page_size), 0)
     q_start = jnp.where(live, starts[seq] + off, 0)
-    work = [jnp.minimum(seq, s - 1), q_start, q_count, jnp.where(live, q_pos0, 0), kv_end]
+    work = [jnp.minimum(seq, s - 1), q_start, q_count, jnp.where(live, q_pos0, 0), kv_end,
+            jnp.where(live, skip[seq], 0)]
     return jnp.stack(work, axis=1).astype(jnp.int32)
 
 
@@ -138,9 +152,10 @@ def _work_list(kv_lens, cu_q_lens, num_seqs, num_tokens, block_q, num_items, max
 class KernelPlan:
     """The kernel's work lists of one step, computed once per step (not once per layer)."""
 
-    work: jax.Array  # [W, 5] int32: the query blocks of every sequence (`_work_list`)
+    work: jax.Array  # [W, 6] int32: the query blocks of every sequence (`_work_list`)
     block_q: int = flax.struct.field(pytree_node=False)  # query tokens per work item
-    tile_work: jax.Array | None = None  # [G * nb, 5] int32: cascade tiles' query blocks
+    tile_work: jax.Array | None = None  # [Wt, 6] int32: the cascade tiles' blocks of members
+    tile_block_q: int = flax.struct.field(pytree_node=False, default=0)  # members per item
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,7 +205,7 @@ def _launch(work, page_indices, layer, q, k_cache, v_cache, tun: Tunables):
     if not tun.interpret:
         for name, n in (("block_q * group_pad", tun.block_q * group_pad), ("block_k", block_k)):
             assert n >= 16 and n & (n - 1) == 0, f"Triton needs {name}={n} a power of two >= 16"
-    pad_cols = -page_indices.shape[1] % tun.pages_per_block
+    pad_cols = tun.pages_per_block - 1  # an item's last KV block may run past its table
     page_indices = jnp.pad(jnp.clip(page_indices, 0, num_pages - 1), ((0, 0), (0, pad_cols)))
     kernel = functools.partial(
         _ragged_paged_attention_kernel, sm_scale=tun.sm_scale, block_q=tun.block_q, group=group,
@@ -223,55 +238,58 @@ def _num_items(num_tokens: int, num_seqs: int, block_q: int) -> int:
 
 
 def plan_work(kv_lens, page_indices, cu_q_lens, num_seqs, num_tokens: int, page_size: int, *,
-              block_q: int, cascade=None, num_multi_query_seqs: int = 0) -> KernelPlan:
+              block_q: int, cascade: TileList | None = None, tile_block_q: int = 0) -> KernelPlan:
     """The work lists of one step (shapes as in `ragged_paged_attention_pallas`): run once per
-    step, outside the layer loop, and pass the result to every layer as `plan`."""
+    step, outside the layer loop, and pass the result to every layer as `plan`. With
+    `cascade`, the tiles' work list too, `tile_block_q` members per item."""
     s, pps = page_indices.shape
-    if cascade is not None:
-        sa = num_multi_query_seqs
-        kv_lens = jnp.concatenate([kv_lens[:sa], cascade.rest_lens])
-        pps = max(pps, cascade.rest_pages.shape[1])
     work = _work_list(kv_lens, cu_q_lens, num_seqs, num_tokens, block_q,
-                      _num_items(num_tokens, s, block_q), pps * page_size)
-    tile_work = None if cascade is None else _tile_work(
-        cascade.tile_lens, cascade.tile_seqs.shape[1], block_q)
-    return KernelPlan(work, block_q, tile_work)
+                      _num_items(num_tokens, s, block_q), pps * page_size,
+                      None if cascade is None else cascade.skip_pages, page_size)
+    g = 0 if cascade is None else cascade.tile_lens.shape[0]
+    if not g:
+        return KernelPlan(work, block_q)
+    assert tile_block_q > 0, "a cascade plan needs the tiles' block size"
+    items = min(s, (s + g * (tile_block_q - 1)) // tile_block_q)  # sum of ceil(members / bq)
+    return KernelPlan(work, block_q, _tile_work(cascade, tile_block_q, items), tile_block_q)
 
 
-def _tile_work(tile_lens, rows: int, block_q: int):
-    """One work item per (tile, query block) of the tiles' gathered rows: [G * nb, 5]; the
-    query position is past every shared key, so all of them are visible."""
-    g = tile_lens.shape[0]
-    nb = -(-rows // block_q)
-    tile, blk = jnp.repeat(jnp.arange(g), nb), jnp.tile(jnp.arange(nb), g)
-    ends = tile_lens[tile]
-    work = [tile, tile * rows + blk * block_q, jnp.minimum(block_q, rows - blk * block_q), ends,
-            ends]
+def _tile_work(tiles: TileList, block_q: int, num_items: int):
+    """One work item per (tile, block of `block_q` members): [Wt, 6]. Its seq is the tile's
+    lead, whose page table begins with the shared pages; its rows are the members' queries
+    gathered in tile order; their position lies past every shared key, so all are visible."""
+    g = tiles.tile_lens.shape[0]
+    sizes = tiles.tile_starts[1:] - tiles.tile_starts[:-1]  # [G]; 0 past the last tile
+    blocks = pl.cdiv(sizes, block_q)
+    first_block = jnp.cumsum(blocks) - blocks
+    w = jnp.arange(num_items)
+    tile = jnp.clip(jnp.searchsorted(first_block + blocks, w, side="right",
+                                     method="compare_all"), 0, g - 1)  # [Wt]
+    live = w < first_block[-1] + blocks[-1]
+    off = (w - first_block[tile]) * block_q
+    end = jnp.where(live, tiles.tile_lens[tile], 0)
+    work = [tiles.tile_lead[tile], jnp.where(live, tiles.tile_starts[tile] + off, 0),
+            jnp.where(live, jnp.clip(sizes[tile] - off, 0, block_q), 0), end, end,
+            jnp.zeros_like(w)]
     return jnp.stack(work, axis=1).astype(jnp.int32)
 
 
-def _cascade(q, k_cache, v_cache, layer, page_indices, cu_q_lens, num_seqs, cascade,
-             plan: KernelPlan, num_multi_query_seqs: int, tun: Tunables):
-    """Two launches: every sequence over its own pages (the decode group's rest pages), then
-    each tile's decode queries over its shared pages; the decode rows merged by log-sum-exp."""
-    t = q.shape[0]
-    sa = num_multi_query_seqs
-    sd = page_indices.shape[0] - sa
-    width = max(page_indices.shape[1], cascade.rest_pages.shape[1])
-    widen = lambda a: jnp.pad(a, ((0, 0), (0, width - a.shape[1])))  # noqa: E731
-    tables = jnp.concatenate([widen(page_indices[:sa]), widen(cascade.rest_pages)])
-    out, lse = _launch(plan.work, tables, layer, q, k_cache, v_cache, tun)
-    last = jnp.clip(cu_q_lens[sa + 1:] - 1, 0, t - 1)  # [Sd] each decode sequence's row
-    tile_tok = last[jnp.clip(cascade.tile_seqs, 0, sd - 1)].reshape(-1)  # [G * M]
-    tile_tun = dataclasses.replace(tun, num_splits=1)
-    out_t, lse_t = _launch(plan.tile_work, cascade.tile_pages, layer, q[tile_tok], k_cache,
-                           v_cache, tile_tun)
-    dest = jnp.where(cascade.tile_seqs >= 0, cascade.tile_seqs, sd).reshape(-1)
-    out_s = jnp.zeros((sd,) + q.shape[1:], jnp.float32).at[dest].set(out_t, mode="drop")
-    lse_s = jnp.full((sd, q.shape[1]), _MASKED, jnp.float32).at[dest].set(lse_t, mode="drop")
-    merged = merge_parts(out_s, lse_s, out[last].astype(jnp.float32), lse[last])
-    rows_out = jnp.where(jnp.arange(sa, sa + sd) < num_seqs, last, t)  # padding seqs: dropped
-    return out.at[rows_out].set(merged.astype(out.dtype), mode="drop")
+def _cascade(q, k_cache, v_cache, layer, page_indices, cu_q_lens, tiles: TileList,
+             plan: KernelPlan, tun: Tunables):
+    """Two launches: every sequence over its own pages (past its tile's shared ones), then
+    each tile's members' queries over the shared pages; the members' rows merged by
+    log-sum-exp (a member has one query: its decode token)."""
+    t, s = q.shape[0], page_indices.shape[0]
+    out, lse = _launch(plan.work, page_indices, layer, q, k_cache, v_cache, tun)
+    member = tiles.tile_rows  # [S] tile by tile; -1 after the last member
+    rows = jnp.clip(cu_q_lens[jnp.clip(member, 0, s - 1) + 1] - 1, 0, t - 1)  # their tokens
+    tile_tun = dataclasses.replace(tun, block_q=plan.tile_block_q, num_splits=1)
+    out_t, lse_t = _launch(plan.tile_work, page_indices, layer, q[rows], k_cache, v_cache,
+                           tile_tun)
+    merged = merge_parts(out_t.astype(jnp.float32), lse_t, out[rows].astype(jnp.float32),
+                         lse[rows])
+    dest = jnp.where(member >= 0, rows, t)  # no member: dropped
+    return out.at[dest].set(merged.astype(out.dtype), mode="drop")
 
 
 def default_block_q(num_heads: int, num_kv_heads: int, decode_only: bool) -> int:
@@ -304,8 +322,9 @@ def ragged_paged_attention_pallas(q, k_pages, v_pages, kv_lens, page_indices, cu
     layer. Tunables: `block_q` query tokens per program (default `default_block_q`),
     `pages_per_block` pages per KV step (default: 64 tokens), `num_splits` over the KV axis
     (default `kv_splits` in a decode-only call, else 1), Triton `num_warps` and `num_stages`.
-    With `cascade` (a `cascade.CascadeMeta` for the sequences after the first
-    `num_multi_query_seqs`), shared prefixes are read once per tile by a second launch.
+    With `cascade` (a `cascade.TileList`: tiles of the step's decode sequences, in a step
+    with chunks too), shared prefixes are read once per tile and block of members by a second
+    launch; `num_multi_query_seqs` = 0 marks a decode-only call.
     """
     t, hq, d = q.shape
     if layer is None:
@@ -319,7 +338,7 @@ def ragged_paged_attention_pallas(q, k_pages, v_pages, kv_lens, page_indices, cu
     assert plan is None or plan.block_q == block_q, f"{plan.block_q=} != {block_q=}"
     if num_splits is None:
         num_splits = kv_splits(_num_items(t, kv_lens.shape[0], block_q), hkv) if (
-            decode_only and cascade is None) else 1
+            decode_only) else 1
     tun = Tunables(sm_scale=1.0 / float(np.sqrt(d)) if sm_scale is None else sm_scale,
                    block_q=block_q, num_splits=num_splits,
                    pages_per_block=max(1, 64 // page_size) if pages_per_block is None
@@ -328,8 +347,9 @@ def ragged_paged_attention_pallas(q, k_pages, v_pages, kv_lens, page_indices, cu
     if plan is None:
         plan = plan_work(kv_lens, page_indices, cu_q_lens, num_seqs, t, page_size,
                          block_q=block_q, cascade=cascade,
-                         num_multi_query_seqs=num_multi_query_seqs)
-    if cascade is not None:
-        return _cascade(q, k_pages, v_pages, layer, page_indices, cu_q_lens, num_seqs, cascade,
-                        plan, num_multi_query_seqs, tun)
+                         tile_block_q=default_block_q(hq, hkv, decode_only=False))
+    assert (plan.tile_work is not None) == (cascade is not None and cascade.tile_lens.size > 0), (
+        "the plan's tile work list and the cascade tiles disagree")
+    if plan.tile_work is not None:
+        return _cascade(q, k_pages, v_pages, layer, page_indices, cu_q_lens, cascade, plan, tun)
     return _launch(plan.work, page_indices, layer, q, k_pages, v_pages, tun)[0]

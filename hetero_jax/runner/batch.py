@@ -11,8 +11,10 @@ smallest bucket when every one of the first Sc sequences fits it), so fresh chun
 decodes attend over their own few keys (the first second_pages columns of `page_indices`). A
 decode-only step whose sequences share enough pages (prefix-cache hits) has a cascade plan
 from the scheduler (`ops.cascade`): second_pages > 0 is then its tiles' shared page bucket and
-pages_per_seq counts each sequence's pages after the shared ones. `batch_spec` gives the same structure as
-shapes, for ahead-of-time lowering.
+pages_per_seq counts each sequence's pages after the shared ones. On the Pallas kernel
+(`EngineConfig.tiles_as_data`) the plan is no part of the key: every step carries a `TileList`
+of S // 2 tiles, empty where the scheduler planned none. `batch_spec` gives the same structure
+as shapes, for ahead-of-time lowering.
 """
 from __future__ import annotations
 
@@ -25,7 +27,8 @@ import numpy as np
 
 from hetero_jax.config import EngineConfig
 from hetero_jax.models import llama
-from hetero_jax.ops.cascade import cascade_arrays_flat, cascade_spec
+from hetero_jax.ops.cascade import (cascade_arrays_flat, cascade_spec, tile_list_arrays,
+                                    tile_list_spec)
 from hetero_jax.runner import pooler
 from hetero_jax.runner.sampler import SamplingKnobs
 from hetero_jax.sched import DECODE, EMBED
@@ -53,9 +56,36 @@ class StepBatch:
 
 
 def is_cascade(key: tuple) -> bool:
-    """Whether variant `key` is a cascade step: decode-only (Sc = 0) with shared pages."""
+    """Whether variant `key` is a cascade step of the XLA attention: decode-only (Sc = 0)
+    with shared pages."""
     _, _, sc, _, second = key
     return sc == 0 and second > 0
+
+
+def uses_cascade(batch: StepBatch) -> bool:
+    """Whether a packed step reads shared pages once per tile (it has a tile in use)."""
+    cascade = batch.meta.cascade
+    return cascade is not None and bool(np.any(np.asarray(cascade.tile_lens)))
+
+
+def _cascade_spec(cfg: EngineConfig, key: tuple):
+    """The cascade arrays' shape structs in a step of variant `key`, or None."""
+    _, s, _, p, second = key
+    if cfg.tiles_as_data():
+        return tile_list_spec(s)
+    return cascade_spec(*cfg.cascade_tiles(s), second, s, p) if is_cascade(key) else None
+
+
+def _cascade_arrays(cfg: EngineConfig, plan: tuple | None, key: tuple, pages, first_page,
+                    kv_lens):
+    """The cascade arrays of a step of variant `key` under the scheduler's `plan`, or None."""
+    _, s, _, p, second = key
+    if cfg.tiles_as_data():
+        return tile_list_arrays(plan, s, cfg.page_size)
+    if plan is None:
+        return None
+    return cascade_arrays_flat(pages, first_page, kv_lens, cfg.page_size, plan,
+                               *cfg.cascade_tiles(s), second, p, s)
 
 
 def batch_spec(cfg: EngineConfig, t: int, s: int, sc: int, p: int, second: int) -> StepBatch:
@@ -67,8 +97,7 @@ def batch_spec(cfg: EngineConfig, t: int, s: int, sc: int, p: int, second: int) 
         tokens=i32(t), positions=i32(t), slots=i32(t),
         meta=llama.AttnMeta(kv_lens=i32(s), page_indices=i32(s, p), cu_q_lens=i32(s + 1),
                             num_seqs=i32(),
-                            cascade=cascade_spec(*cfg.cascade_tiles(s), second, s, p)
-                            if is_cascade((t, s, sc, p, second)) else None),
+                            cascade=_cascade_spec(cfg, (t, s, sc, p, second))),
         sample_rows=i32(s),
         knobs=SamplingKnobs(temperature=f32(s), top_k=i32(s), top_p=f32(s),
                             seed=jax.ShapeDtypeStruct((s,), jnp.uint32), step=i32(s),
@@ -123,8 +152,9 @@ def pack_batch(items: list, cfg: EngineConfig,
         [(it.num_tokens, it.start, len(it.pages), it.kind != DECODE) for it in items],
         np.int64).reshape(n, 4).T
     key = key_of_step(int(counts.sum()), int(multi.sum()),
-                      (-(-(starts + counts) // ps)).tolist(), cfg.buckets(), plan)  # step_key
-    t, s, sc, p, second = key
+                      (-(-(starts + counts) // ps)).tolist(), cfg.buckets(),
+                      None if cfg.tiles_as_data() else plan)  # step_key
+    t, s, sc, p, _ = key
     cu = np.zeros(s + 1, np.int32)
     np.cumsum(counts, out=cu[1:n + 1])
     n_tok = int(cu[n])
@@ -158,9 +188,9 @@ def pack_batch(items: list, cfg: EngineConfig,
     batch = StepBatch(
         tokens=tokens, positions=positions, slots=slots,
         meta=llama.AttnMeta(kv_lens=kv_lens, page_indices=page_indices, cu_q_lens=cu,
-                            num_seqs=np.int32(n), cascade=None if plan is None else
-                            cascade_arrays_flat(pages, first_page, kv_lens[:n].astype(np.int64),
-                                                ps, plan, *cfg.cascade_tiles(s), second, p, s)),
+                            num_seqs=np.int32(n),
+                            cascade=_cascade_arrays(cfg, plan, key, pages, first_page,
+                                                    kv_lens[:n].astype(np.int64))),
         sample_rows=sample_rows, knobs=_pack_sampling(items, s),
         pool=_pack_pooling(items, rows, t, sc, cfg.max_num_seqs, ps), adapter_ids=adapter_ids,
         prev_rows=np.full(t, -1, np.int32))

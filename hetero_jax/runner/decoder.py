@@ -41,7 +41,7 @@ from hetero_jax.models.layers import feature_major_mlp, for_layer_loop, is_featu
 from hetero_jax.ops import ragged_paged_attention
 from hetero_jax.ops.pallas_attention import default_block_q, plan_work
 from hetero_jax.runner import pooler
-from hetero_jax.runner.batch import StepBatch, batch_spec, is_cascade, pack_batch
+from hetero_jax.runner.batch import StepBatch, batch_spec, pack_batch, uses_cascade
 from hetero_jax.runner.compile_progress import CompileNotice
 from hetero_jax.runner.executables import ExecutableCache, WarmManifest, compile_options, \
     enable_compile_cache
@@ -104,7 +104,8 @@ def step(params, state: DeviceState, ints, floats, *, spec: StepBatch, model_cfg
             batch.tokens.shape[0], page_size, cascade=meta.cascade,
             block_q=default_block_q(model_cfg.num_heads, model_cfg.num_kv_heads,
                                     decode_only=layout.num_chunk_seqs == 0),
-            num_multi_query_seqs=layout.num_chunk_seqs))
+            tile_block_q=default_block_q(model_cfg.num_heads, model_cfg.num_kv_heads,
+                                         decode_only=False)))
     hidden, kv = model.apply({"params": params}, batch.tokens, batch.positions, batch.slots,
                              state.kv, meta, batch.adapter_ids)  # [T, d]
     logits = model.apply({"params": params}, hidden[batch.sample_rows],
@@ -345,7 +346,7 @@ class DecoderRunner:
                 logits, self.state.tokens, self.state.sampled, *wire, packed)
             self.state = self.state.replace(sampled=sampled)
         packed.copy_to_host_async()
-        self.cascade_steps += is_cascade(key)
+        self.cascade_steps += uses_cascade(batch)
         return Launched(items, key, packed, t0, compile0)
 
     def replicated(self) -> jax.sharding.Sharding | None:

@@ -5,8 +5,9 @@ In: a `StepShape` (token counts by item kind, sequences, cached context read, at
 query-key pairs, sampled rows), computed from a `SchedulerOutput`. Out: seconds. Imports no jax.
 
 Attention is charged by the KV actually read: every sequence reads its whole context, except
-that in a decode-only step under cascade attention (`from_output(..., cascade=...)`,
-`tiles.py`) the pages a tile of sequences shares are read once for the tile
+that under cascade attention (`from_output(..., cascade=...)`, `tiles.py`: decode-only steps,
+or any step's decodes with `CascadeSettings.mixed`) the pages a tile of sequences shares are
+read once for the tile
 (`shared_kv_tokens` are the reads saved). Both cost models read `kv_read_tokens` (the linear
 model as its `context_tokens` feature).
 
@@ -60,8 +61,8 @@ class StepShape:
     @classmethod
     def from_output(cls, out: SchedulerOutput, page_size: int = 16,
                     cascade: CascadeSettings | None = None) -> "StepShape":
-        """The shape of a step; with `cascade`, a decode-only step's shared pages count once
-        per tile (as the engine reads them)."""
+        """The shape of a step; with `cascade`, the shared pages of the decodes it plans
+        count once per tile (as the engine reads them)."""
         by_kind = {EMBED: 0, PREFILL: 0, DECODE: 0}
         context = pairs = sampled = 0
         for it in out.items:

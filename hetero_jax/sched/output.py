@@ -5,9 +5,10 @@ chunks, then prefill chunks, then decode tokens), so the pooler, the prefill han
 sampler each read one contiguous slice; `encoder_items` are whole embedding inputs for a
 separate encoder model (empty when embeddings run on the decoder). Each `ScheduledItem` is a
 snapshot of plain data (ids, token ids, positions, the page table, knobs, the pooler slot):
-a runner never sees a live `Request`. `cascade` is the scheduler's cascade plan of a
-decode-only step (`tiles.plan_tiles`: tiles over `items`' indices), which the runner lays out
-as it is; None runs plain attention. `RunnerOutput` comes back: one sampled token per item
+a runner never sees a live `Request`. `cascade` is the scheduler's cascade plan of the
+step's decodes (`tiles.CascadeSettings.plan`: tiles over `items`' indices; decode-only steps
+on XLA, any step on the Pallas kernel), which the runner lays out as it is; None runs plain
+attention. `RunnerOutput` comes back: one sampled token per item
 that samples and one pooled vector per embedding request whose last chunk (or whole input) ran.
 """
 from __future__ import annotations

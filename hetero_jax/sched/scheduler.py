@@ -2,7 +2,7 @@
 
 Flow: the engine `add`s requests; each step it calls `schedule() -> SchedulerOutput` (plain
 data: the step's decoder items sorted by kind, embedding chunks, then prefill chunks, then
-decode tokens, a separate encoder's whole inputs, and the cascade plan of a decode-only step
+decode tokens, a separate encoder's whole inputs, and the cascade plan of the step's decodes
 when `cfg.cascade` is set, `tiles.py`), runs the model, and calls
 `update(scheduler_output, runner_output, now)`, which advances the requests, stamps their
 first-output and finish times and returns the ones that finished (or, to schedule the next
@@ -70,7 +70,7 @@ class SchedulerConfig:
     batching: str = "fcfs"  # fcfs | lpm | feather | feather-bandit: admissions, decodes
     feather: FeatherConfig = FeatherConfig()  # the knobs of feather and feather-bandit
     step_cost: object = None  # ibs: SchedulerOutput -> seconds; splits a step when two cost less
-    cascade: CascadeSettings | None = None  # plan decode-only steps' cascade tiles (None: never)
+    cascade: CascadeSettings | None = None  # plan the decodes' cascade tiles (None: never)
     thin_batch: float = 0.5  # ibs: generation prefill first below this x max_num_seqs running
 
 

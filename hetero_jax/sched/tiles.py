@@ -1,7 +1,7 @@
 """Cascade attention's host-side plan: which decode sequences share which pages (no jax).
 
-In: the page tables and KV lengths of a decode-only step's sequences and the engine's cascade
-knobs (`CascadeSettings`). Out: tiles of at most M sequences sharing leading pages and, per
+In: the page tables and KV lengths of a step's decode sequences and the engine's cascade knobs
+(`CascadeSettings`). Out: tiles of at most M sequences sharing leading pages and, per
 sequence, where its own pages start, or None when the tiles would save too few page reads.
 The scheduler plans each step it forms (`CascadeSettings.plan`, into
 `SchedulerOutput.cascade`), the runner (`runner/batch.py`) lays that plan out for
@@ -65,44 +65,50 @@ def plan_tiles(page_tables: list, kv_lens: list, page_size: int, num_tiles: int,
 class CascadeSettings:
     """The engine's cascade knobs (`EngineConfig.cascade_rows`, `cascade_min_pages`) and the
     sequence buckets that set the tile count G = S // M of a step with S sequence slots
-    (`seq_buckets`; None: the default buckets of `max_num_seqs`). `planned` and `mixed` are the
-    simulator's what-ifs, which the engine does not do yet: tiles sized by the planner, and
-    cascade over the decodes of a step with prefill or embedding chunks too."""
+    (`seq_buckets`; None: the default buckets of `max_num_seqs`). `planned`: tiles sized by
+    the planner; `mixed`: cascade over the decodes of a step with prefill or embedding chunks
+    too. The engine on the Pallas kernel does both (its tiles are data, `ops.cascade.TileList`);
+    on XLA neither; the simulator takes each as a what-if."""
 
     rows: int = 8  # M; 0 turns cascade off
     min_saved_pages: int = 16
     max_num_seqs: int = 32
     seq_buckets: tuple | None = None
-    planned: bool = False  # up to S tiles of up to S rows: as many and as long as runs need
+    planned: bool = False  # up to S // 2 tiles of up to S rows: as many and as long as needed
     mixed: bool = False  # cascade also over the decodes of a mixed step (kv_pages_saved)
 
     def tiles(self, num_seqs: int) -> tuple:
-        """(G, M) for a step of `num_seqs` decode sequences (S: its sequence bucket); with
-        `planned`, (S, S): `plan_tiles` cuts the runs that share a first page into as few
-        tiles as they need, none capped at `rows`."""
+        """(G, M) for a step of `num_seqs` sequences (S: its sequence bucket); with `planned`,
+        (S // 2, S): `plan_tiles` cuts the runs that share a first page into as few tiles as
+        they need, none capped at `rows` (a tile has two members or more)."""
         s = pad_to_bucket(num_seqs, self.seq_buckets or default_seq_buckets(self.max_num_seqs))
         if self.planned:
-            return s, s
+            return s // 2, s
         rows = min(self.rows, s)
         return s // rows, rows
 
     def plan(self, items: list, page_size: int) -> tuple | None:
-        """`plan_tiles` for a step of `items` (`ScheduledItem`s), or None (plain attention):
-        only decode-only steps of at least two sequences, none penalized (the penalties read
-        whole page tables), are planned."""
-        if not self.rows or len(items) < 2 or any(it.kind != DECODE for it in items):
+        """`plan_tiles` over the decodes of a step of `items` (`ScheduledItem`s sorted by kind,
+        decodes last), its indices the step's, or None (plain attention): at least two
+        decodes, none penalized (the penalties read whole page tables), in a decode-only step
+        unless `mixed`."""
+        decodes = [it for it in items if it.kind == DECODE]
+        if not self.rows or len(decodes) < 2 or (len(decodes) < len(items) and not self.mixed):
             return None
-        if any(it.knobs is not None and it.knobs.penalized for it in items):  # None: sim
+        if any(it.knobs is not None and it.knobs.penalized for it in decodes):  # None: sim
             return None
-        return plan_tiles([it.pages for it in items], [it.start + 1 for it in items], page_size,
-                          *self.tiles(len(items)), self.min_saved_pages)
+        lead = len(items) - len(decodes)
+        assert all(it.kind == DECODE for it in items[lead:]), "decodes come last in a step"
+        plan = plan_tiles([it.pages for it in decodes], [it.start + 1 for it in decodes],
+                          page_size, *self.tiles(len(items)), self.min_saved_pages)
+        if plan is None or not lead:
+            return plan
+        return [([lead + j for j in m], n) for m, n in plan[0]], [0] * lead + plan[1]
 
 
 def kv_pages_saved(items: list, page_size: int, cascade: CascadeSettings | None) -> int:
     """Page reads a step of `items` (`ScheduledItem`s) saves under cascade attention (a
     decode-only step, or with `cascade.mixed` the decodes of any step)."""
-    if cascade is not None and cascade.mixed:
-        items = [it for it in items if it.kind == DECODE]
     plan = None if cascade is None else cascade.plan(items, page_size)
     return 0 if plan is None else saved_pages(plan[0])
 
