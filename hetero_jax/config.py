@@ -19,7 +19,7 @@ from hetero_jax.sched.costmodel import StepCost, engine_budget, engine_cost_mode
     known_cost_model
 from hetero_jax.sched.scheduler import SchedulerConfig
 from hetero_jax.sched.shapes import Buckets, default_seq_buckets, powers_of_two
-from hetero_jax.sched.tiles import CascadeSettings
+from hetero_jax.sched.tiles import CascadeSettings, kernel_block_rows
 
 _DTYPES = ("auto", "float32", "bfloat16")
 # The smallest default token bucket on a jax backend (else 16). XLA:CPU's few-row matmuls cost
@@ -273,12 +273,15 @@ class EngineConfig:
         of its own (XLA: decode-only steps)."""
         return self.attention_impl == "pallas" and self.cascade_rows > 0
 
-    def cascade_settings(self) -> CascadeSettings:
+    def cascade_settings(self, model_cfg=None) -> CascadeSettings:
         """The cascade knobs with this config's sequence buckets (unresolved and unset: the
-        default buckets of max_num_seqs, as resolve() would fill them)."""
+        default buckets of max_num_seqs, as resolve() would fill them); with `model_cfg` on
+        the Pallas kernel, the tile members one program serves (what a read saves)."""
         data = self.tiles_as_data()
+        block = kernel_block_rows(model_cfg.num_heads, model_cfg.num_kv_heads) if (
+            data and model_cfg is not None) else 0
         return CascadeSettings(self.cascade_rows, self.cascade_min_pages, self.max_num_seqs,
-                               self.seq_buckets, planned=data, mixed=data)
+                               self.seq_buckets, planned=data, mixed=data, block_rows=block)
 
     def cascade_tiles(self, s: int) -> tuple:
         """(tiles G, rows M) of a cascade step with S sequence slots."""
@@ -299,7 +302,7 @@ class EngineConfig:
         for "roofline:<hardware>"; then `dtype` must be concrete, `dtype_on`).
         `encoder_max_seqs` > 0: a separate encoder's rows per step."""
         assert self.num_pages is not None, "scheduler_config() of an unresolved config"
-        cascade, step_cost = self.cascade_settings(), None
+        cascade, step_cost = self.cascade_settings(model_cfg), None
         if self.cost_model not in (None, "auto") and self.scheduler == "ibs":
             model = self.step_model(model_cfg, "", "")
             step_cost = StepCost(model, self.page_size, cascade)

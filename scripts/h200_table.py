@@ -1,6 +1,7 @@
 """Bytes the 8B-shaped decode step moves on an H200 against its floor, from a deviceless compile.
 
-In: `--layers` (default 8) and `--layer-loop` (default `scan,unrolled`). For each layer loop
+In: `--layers` (default 8), `--layer-loop` (default `scan,unrolled`) and `--cascade-rows`
+(0: the step without the cascade tiles' launch, which the engine's default runs in every step). For each layer loop
 the GPU engine's step (`runner/h200.py`: bf16, the Pallas kernel) of the `llama-8b-shape`
 preset at that depth is compiled for the H200 at the decode variant (64, 64, 0, 128, 0) of
 EngineConfig(max_num_seqs=64, max_model_len=2048): 64 sequences of 2,048 cached tokens (the
@@ -52,6 +53,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--head-dims", default="64,128",
                    help="head sizes of the kernel-alone compiles, '' for none "
                         "(default: %(default)s)")
+    p.add_argument("--cascade-rows", type=int, default=8,
+                   help="the engine's cascade_rows: 0 compiles the step without its cascade "
+                   "tiles' launch (default: %(default)s, the engine's)")
     p.add_argument("--json", help="also write the rows to this JSON file")
     return p.parse_args(argv)
 
@@ -113,12 +117,13 @@ def floor_bytes(model_cfg, cfg, key: tuple, itemsize: int) -> dict:
     return dict(parts, total=sum(parts.values()))
 
 
-def step_row(model_cfg, layer_loop: str) -> dict:
+def step_row(model_cfg, layer_loop: str, cascade_rows: int) -> dict:
     """Compile the step at `KEY` with `layer_loop` for the H200; its bytes against the floor."""
     import jax.numpy as jnp
     from hetero_jax.config import EngineConfig
     from hetero_jax.runner import gpu_lowering, h200
-    cfg = gpu_lowering.gpu_config(model_cfg, EngineConfig(layer_loop=layer_loop, **ENGINE))
+    cfg = gpu_lowering.gpu_config(model_cfg, EngineConfig(layer_loop=layer_loop,
+                                                          cascade_rows=cascade_rows, **ENGINE))
     assert KEY in cfg.variants(), f"{KEY=} is not a variant of {cfg.max_num_seqs=}"
     itemsize = jnp.dtype(cfg.dtype).itemsize
     logs: list = []
@@ -136,6 +141,7 @@ def step_row(model_cfg, layer_loop: str) -> dict:
         ratio=(moved.total + kernel) / floor["total"],
         temp_bytes=compiled.memory_analysis().temp_size_in_bytes,
         compile_s=round(seconds, 1), kernel_launches=sum(c.count for c in triton),
+        cascade_rows=cascade_rows, xla_launches=sum(r.count for r in moved.launches),
         other_custom_calls=[dataclasses.asdict(c) for c in moved.custom_calls
                             if c not in triton],
         top=[dataclasses.asdict(r) for r in moved.launches[:5]])
@@ -178,11 +184,13 @@ def _gb(n: int) -> str:
 
 def step_table(rows: list) -> str:
     """Markdown: one line per compiled step."""
-    lines = ["| layers | loop | XLA GB | kernel KV GB | floor GB | ratio | temp MB | Pallas "
-             "launches | compile s |", "|---|---|---|---|---|---|---|---|---|"]
-    lines += [f"| {r['layers']} | {r['layer_loop']} | {_gb(r['xla_bytes'])} | "
-              f"{_gb(r['kernel_kv_read'])} | {_gb(r['floor']['total'])} | {r['ratio']:.2f}x | "
-              f"{r['temp_bytes'] / 1e6:.1f} | {r['kernel_launches']} | {r['compile_s']} |"
+    lines = ["| layers | loop | cascade rows | XLA GB | kernel KV GB | floor GB | ratio | "
+             "temp MB | XLA launches | Pallas launches | compile s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['layers']} | {r['layer_loop']} | {r['cascade_rows']} | "
+              f"{_gb(r['xla_bytes'])} | {_gb(r['kernel_kv_read'])} | "
+              f"{_gb(r['floor']['total'])} | {r['ratio']:.2f}x | {r['temp_bytes'] / 1e6:.1f} | "
+              f"{r['xla_launches']} | {r['kernel_launches']} | {r['compile_s']} |"
               for r in rows]
     return "\n".join(lines)
 
@@ -219,7 +227,8 @@ def main(argv=None) -> dict:
     cfg = gpu_lowering.gpu_config(model_cfg, EngineConfig(**ENGINE))
     # kernels first: XLA may reuse a kernel's cubin within a process, and log no ptxas then
     kernels = [kernel_row(int(d), cfg) for d in filter(None, args.head_dims.split(","))]
-    steps = [step_row(model_cfg, loop) for loop in args.layer_loop.split(",")]
+    steps = [step_row(model_cfg, loop, args.cascade_rows)
+             for loop in args.layer_loop.split(",")]
     print(step_table(steps), movers_table(steps), kernel_table(kernels), sep="\n\n", flush=True)
     result = dict(steps=steps, kernels=kernels)
     if args.json:

@@ -48,17 +48,18 @@ _MASKED = -0.7 * float(np.finfo(np.float32).max)
 H200_SMS = 132  # streaming multiprocessors of the GPU the defaults are sized for
 
 
-def _ragged_paged_attention_kernel(work_ref, page_ref, layer_ref, q_ref, k_ref, v_ref, o_ref,
-                                   lse_ref, *, sm_scale, block_q, group, group_pad,
-                                   num_kv_heads, page_size, pages_per_block, head_dim, num_splits,
-                                   precision, spare_rows):
+def _ragged_paged_attention_kernel(work_ref, page_ref, layer_ref, *refs, sm_scale, block_q,
+                                   group, group_pad, num_kv_heads, page_size, pages_per_block,
+                                   head_dim, num_splits, precision, spare_rows, mapped):
     """One (kv head, query block, KV split): work_ref [W, 6], page_ref [S, pps'], layer_ref [1],
-    q_ref [T * Hq, Dp], k_ref/v_ref [L, P * page_size * Hkv, D] (the whole stacked cache, read
-    in place: row = (page * page_size + slot) * Hkv + head of layer `layer_ref[0]`),
-    o_ref [splits, T * Hq (+ M spare rows in interpret mode), Dp], lse_ref [splits, T * Hq (+ M)]:
-    each row's log-sum-exp of its scaled scores over this split's keys (for merging splits, and
-    with another part as cascade does). Dp is D rounded up to a power of two: columns past D are
-    masked on load and never stored by the caller."""
+    (with `mapped`, tok_ref [R]: the token of each query row position), q_ref [T * Hq, Dp],
+    k_ref/v_ref [L, P * page_size * Hkv, D] (the whole stacked cache, read in place: row =
+    (page * page_size + slot) * Hkv + head of layer `layer_ref[0]`), o_ref [splits, R * Hq
+    (+ M spare rows in interpret mode), Dp], lse_ref [splits, R * Hq (+ M)]: each row's
+    log-sum-exp of its scaled scores over this split's keys (for merging splits, and with
+    another part as cascade does). R = T unless `mapped`. Dp is D rounded up to a power of two:
+    columns past D are masked on load and never stored by the caller."""
+    tok_ref, q_ref, k_ref, v_ref, o_ref, lse_ref = refs if mapped else (None, *refs)
     h, w, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     seq, q_start, q_count = work_ref[w, 0], work_ref[w, 1], work_ref[w, 2]
     q_pos0, kv_end, first_page = work_ref[w, 3], work_ref[w, 4], work_ref[w, 5]
@@ -67,7 +68,10 @@ def _ragged_paged_attention_kernel(work_ref, page_ref, layer_ref, q_ref, k_ref, 
     rows = jnp.arange(m_rows)
     qi, g = rows // group_pad, rows % group_pad  # [M] token within the block, head in group
     row_ok = (qi < q_count) & (g < group)
-    q_rows = jnp.where(row_ok, (q_start + qi) * (num_kv_heads * group) + h * group + g, 0)
+    pos = jnp.where(row_ok, q_start + qi, 0)  # the row's position in the output
+    tok = tok_ref[pos] if mapped else pos  # and its token in q
+    q_rows = jnp.where(row_ok, tok * (num_kv_heads * group) + h * group + g, 0)
+    out_rows = pos * (num_kv_heads * group) + h * group + g
     q = q_ref[q_rows, :]  # [M, Dp]
     q_pos = q_pos0 + qi  # [M]
     block_k = pages_per_block * page_size
@@ -108,7 +112,7 @@ def _ragged_paged_attention_kernel(work_ref, page_ref, layer_ref, q_ref, k_ref, 
     out = o / jnp.where(l == 0.0, 1.0, l)[:, None]  # no keys here (padding, empty split): 0
     # Interpret mode writes masked rows back with their old value, so they must not alias a
     # valid row: there they go to this program's spare rows. On GPU they are never written.
-    o_rows = jnp.where(row_ok, q_rows, (q_ref.shape[0] + rows) if spare_rows else 0)
+    o_rows = jnp.where(row_ok, out_rows, (o_ref.shape[1] - m_rows + rows) if spare_rows else 0)
     pltriton.store(o_ref.at[split, o_rows[:, None], cols[None, :]], out.astype(o_ref.dtype),
                    mask=row_ok[:, None])
     lse = jnp.where(l == 0.0, _MASKED, m + jnp.log(jnp.where(l == 0.0, 1.0, l)))
@@ -155,6 +159,8 @@ class KernelPlan:
     work: jax.Array  # [W, 6] int32: the query blocks of every sequence (`_work_list`)
     block_q: int = flax.struct.field(pytree_node=False)  # query tokens per work item
     tile_work: jax.Array | None = None  # [Wt, 6] int32: the cascade tiles' blocks of members
+    tile_tokens: jax.Array | None = None  # [S] int32: the members' tokens, in tile order
+    token_slot: jax.Array | None = None  # [T] int32: each token's place among them, or -1
     tile_block_q: int = flax.struct.field(pytree_node=False, default=0)  # members per item
 
 
@@ -193,11 +199,13 @@ def _merge_splits(out, lse, dtype):
     return merged.astype(dtype), m + jnp.log(total)
 
 
-def _launch(work, page_indices, layer, q, k_cache, v_cache, tun: Tunables):
-    """The kernel over work items `[W, 5]` whose seq column indexes `page_indices [N, pps]`, on
+def _launch(work, page_indices, layer, q, k_cache, v_cache, tun: Tunables, tokens=None):
+    """The kernel over work items `[W, 6]` whose seq column indexes `page_indices [N, pps]`, on
     layer `layer` of the stacked cache k_cache/v_cache [L, P, page_size, Hkv, D]:
-    q [T, Hq, D] -> (out [T, Hq, D], lse [T, Hq] fp32)."""
+    q [T, Hq, D] -> (out [R, Hq, D], lse [R, Hq] fp32), R = T; with `tokens` [R] the items'
+    rows are positions in it, each reading the query of its token (no copy of those rows)."""
     t, hq, d = q.shape
+    r = t if tokens is None else tokens.shape[0]
     num_layers, num_pages, page_size, hkv, _ = k_cache.shape
     group = hq // hkv
     group_pad, d_pad = pl.next_power_of_2(group), max(16, pl.next_power_of_2(d))
@@ -211,8 +219,8 @@ def _launch(work, page_indices, layer, q, k_cache, v_cache, tun: Tunables):
         _ragged_paged_attention_kernel, sm_scale=tun.sm_scale, block_q=tun.block_q, group=group,
         group_pad=group_pad, num_kv_heads=hkv, page_size=page_size,
         pages_per_block=tun.pages_per_block, head_dim=d, num_splits=tun.num_splits,
-        precision=tun.precision, spare_rows=tun.interpret)
-    rows = t * hq + (tun.block_q * group_pad if tun.interpret else 0)
+        precision=tun.precision, spare_rows=tun.interpret, mapped=tokens is not None)
+    rows = r * hq + (tun.block_q * group_pad if tun.interpret else 0)
     flat = (num_layers, num_pages * page_size * hkv, d)  # a bitcast: the cache is not copied
     out, lse = pl.pallas_call(
         kernel,
@@ -226,10 +234,11 @@ def _launch(work, page_indices, layer, q, k_cache, v_cache, tun: Tunables):
         name=f"ragged_paged_attention_bq{tun.block_q}_ppb{tun.pages_per_block}"
              f"_split{tun.num_splits}",
     )(work, page_indices, jnp.reshape(layer, (1,)).astype(jnp.int32),
+      *(() if tokens is None else (tokens.astype(jnp.int32),)),
       jnp.pad(q.reshape(t * hq, d), ((0, 0), (0, d_pad - d))), k_cache.reshape(flat),
       v_cache.reshape(flat))
-    out, lse = _merge_splits(out[:, :t * hq], lse[:, :t * hq], q.dtype)
-    return out[:, :d].reshape(t, hq, d), lse.reshape(t, hq)
+    out, lse = _merge_splits(out[:, :r * hq], lse[:, :r * hq], q.dtype)
+    return out[:, :d].reshape(r, hq, d), lse.reshape(r, hq)
 
 
 def _num_items(num_tokens: int, num_seqs: int, block_q: int) -> int:
@@ -251,7 +260,12 @@ def plan_work(kv_lens, page_indices, cu_q_lens, num_seqs, num_tokens: int, page_
         return KernelPlan(work, block_q)
     assert tile_block_q > 0, "a cascade plan needs the tiles' block size"
     items = min(s, (s + g * (tile_block_q - 1)) // tile_block_q)  # sum of ceil(members / bq)
-    return KernelPlan(work, block_q, _tile_work(cascade, tile_block_q, items), tile_block_q)
+    member = cascade.tile_rows  # [S] tile by tile; -1 after the last member
+    tokens = jnp.clip(cu_q_lens[jnp.clip(member, 0, s - 1) + 1] - 1, 0, num_tokens - 1)
+    slot = jnp.full(num_tokens, -1, jnp.int32).at[jnp.where(member >= 0, tokens, num_tokens)].set(
+        jnp.arange(s, dtype=jnp.int32), mode="drop")
+    return KernelPlan(work, block_q, _tile_work(cascade, tile_block_q, items), tokens, slot,
+                      tile_block_q)
 
 
 def _tile_work(tiles: TileList, block_q: int, num_items: int):
@@ -274,22 +288,18 @@ def _tile_work(tiles: TileList, block_q: int, num_items: int):
     return jnp.stack(work, axis=1).astype(jnp.int32)
 
 
-def _cascade(q, k_cache, v_cache, layer, page_indices, cu_q_lens, tiles: TileList,
-             plan: KernelPlan, tun: Tunables):
+def _cascade(q, k_cache, v_cache, layer, page_indices, plan: KernelPlan, tun: Tunables):
     """Two launches: every sequence over its own pages (past its tile's shared ones), then
     each tile's members' queries over the shared pages; the members' rows merged by
-    log-sum-exp (a member has one query: its decode token)."""
-    t, s = q.shape[0], page_indices.shape[0]
+    log-sum-exp (a member has one query: its decode token), in one pass over the rows."""
     out, lse = _launch(plan.work, page_indices, layer, q, k_cache, v_cache, tun)
-    member = tiles.tile_rows  # [S] tile by tile; -1 after the last member
-    rows = jnp.clip(cu_q_lens[jnp.clip(member, 0, s - 1) + 1] - 1, 0, t - 1)  # their tokens
     tile_tun = dataclasses.replace(tun, block_q=plan.tile_block_q, num_splits=1)
-    out_t, lse_t = _launch(plan.tile_work, page_indices, layer, q[rows], k_cache, v_cache,
-                           tile_tun)
-    merged = merge_parts(out_t.astype(jnp.float32), lse_t, out[rows].astype(jnp.float32),
-                         lse[rows])
-    dest = jnp.where(member >= 0, rows, t)  # no member: dropped
-    return out.at[dest].set(merged.astype(out.dtype), mode="drop")
+    out_t, lse_t = _launch(plan.tile_work, page_indices, layer, q, k_cache, v_cache, tile_tun,
+                           tokens=plan.tile_tokens)
+    slot = plan.token_slot  # [T]
+    at = jnp.maximum(slot, 0)
+    merged = merge_parts(out_t[at].astype(jnp.float32), lse_t[at], out.astype(jnp.float32), lse)
+    return jnp.where((slot >= 0)[:, None, None], merged.astype(out.dtype), out)
 
 
 def default_block_q(num_heads: int, num_kv_heads: int, decode_only: bool) -> int:
@@ -351,5 +361,5 @@ def ragged_paged_attention_pallas(q, k_pages, v_pages, kv_lens, page_indices, cu
     assert (plan.tile_work is not None) == (cascade is not None and cascade.tile_lens.size > 0), (
         "the plan's tile work list and the cascade tiles disagree")
     if plan.tile_work is not None:
-        return _cascade(q, k_pages, v_pages, layer, page_indices, cu_q_lens, cascade, plan, tun)
+        return _cascade(q, k_pages, v_pages, layer, page_indices, plan, tun)
     return _launch(plan.work, page_indices, layer, q, k_pages, v_pages, tun)[0]

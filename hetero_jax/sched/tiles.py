@@ -76,6 +76,7 @@ class CascadeSettings:
     seq_buckets: tuple | None = None
     planned: bool = False  # up to S // 2 tiles of up to S rows: as many and as long as needed
     mixed: bool = False  # cascade also over the decodes of a mixed step (kv_pages_saved)
+    block_rows: int = 0  # members one read of a tile's shared pages serves (0: the whole tile)
 
     def tiles(self, num_seqs: int) -> tuple:
         """(G, M) for a step of `num_seqs` sequences (S: its sequence bucket); with `planned`,
@@ -110,9 +111,22 @@ def kv_pages_saved(items: list, page_size: int, cascade: CascadeSettings | None)
     """Page reads a step of `items` (`ScheduledItem`s) saves under cascade attention (a
     decode-only step, or with `cascade.mixed` the decodes of any step)."""
     plan = None if cascade is None else cascade.plan(items, page_size)
-    return 0 if plan is None else saved_pages(plan[0])
+    return 0 if plan is None else saved_pages(plan[0], cascade.block_rows)
 
 
-def saved_pages(tiles: list) -> int:
-    """Page reads `tiles` ([(members, shared_pages)]) save: (members - 1) x shared pages."""
-    return sum((len(m) - 1) * n for m, n in tiles)
+def saved_pages(tiles: list, block_rows: int = 0) -> int:
+    """Page reads `tiles` ([(members, shared_pages)]) save: (members - reads) x shared pages,
+    a tile read once, or once per `block_rows` members."""
+    return sum((len(m) - (-(-len(m) // block_rows) if block_rows else 1)) * n for m, n in tiles)
+
+
+# (token, query head) rows of one Pallas program where chunks run, as the cascade tiles' launch
+# uses them (`ops.pallas_attention.default_block_q(..., decode_only=False)`)
+KERNEL_TILE_ROWS = 64
+
+
+def kernel_block_rows(num_heads: int, num_kv_heads: int) -> int:
+    """Members of a cascade tile that one program of the Pallas kernel serves: its rows over
+    the query heads of a KV head, rounded up to a power of two."""
+    group = num_heads // num_kv_heads
+    return max(1, KERNEL_TILE_ROWS // (1 << (group - 1).bit_length()))

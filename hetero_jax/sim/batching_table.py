@@ -14,7 +14,9 @@ decode batch, the steps that used cascade, the share of decode steps on one pref
 prefix-cache hit rate, the bandit's best arm and the row's no-KV ceiling: its ratio to that
 baseline had each of its steps read no KV (the most any sharing of KV reads, cascade's
 included, could give these steps under the cost model). `--planned-tiles`: cascade tiles sized by
-the planner instead of `--cascade-rows` rows. `--l2-share F` (a roofline only) credits
+the planner instead of `--cascade-rows` rows, each read once per block of members one program
+of the Pallas kernel serves (`tiles.kernel_block_rows` of the model's heads), as the engine on
+the Pallas kernel does; `--mixed-cascade`: cascade also in mixed steps, as it does too. `--l2-share F` (a roofline only) credits
 locality: repeated reads of a step's shared pages come from the share F of the GPU's L2 while
 those pages fit (`sim.simulate`, "Locality", says what that assumes); the KV column is then
 what HBM served. With `--arms`, the bandit's target instead: one row per workload x mix x cascade
@@ -35,7 +37,7 @@ from hetero_jax.sched.bandit import DEFAULT_ARMS
 from hetero_jax.sched.batching import FeatherConfig
 from hetero_jax.sched.costmodel import (HARDWARE, MODELS, ModelSpec, RooflineCostModel,
                                         load_cost_model)
-from hetero_jax.sched.tiles import CascadeSettings
+from hetero_jax.sched.tiles import CascadeSettings, kernel_block_rows
 from hetero_jax.sim.options import int_range, on_off, output_file, real_range, write_json
 from hetero_jax.sim.report import format_table
 from hetero_jax.sim.simulate import SimConfig, simulate
@@ -91,9 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cascade-rows", type=ints, default=8)
     p.add_argument("--planned-tiles", action="store_true",
                    help="cascade tiles sized by the planner (a tile per shared prefix, any "
-                   "length), not --cascade-rows rows each")
+                   "length, read once per Pallas program), not --cascade-rows rows each")
     p.add_argument("--mixed-cascade", action="store_true",
-                   help="cascade also over the decodes of mixed steps (not in the engine yet)")
+                   help="cascade also over the decodes of mixed steps (the Pallas engine's)")
     p.add_argument("--l2-share", type=real_range(0, 1), default=0.0,
                    help="the share of the GPU's L2 that holds KV: repeated reads of a step's "
                    "shared pages hit it while those pages fit (0: no locality)")
@@ -127,6 +129,8 @@ def _settings(args) -> list:
     workloads = [(f"{g} groups", g, True) for g in groups]
     if args.control:
         workloads.append(("no sharing", groups[0], False))
+    spec: ModelSpec = MODELS[args.model]
+    block = kernel_block_rows(spec.num_heads, spec.num_kv_heads) if args.planned_tiles else 0
     out = []
     for (label, g, shared), frac in itertools.product(workloads, args.embed_frac):
         wl = WorkloadConfig(name="shared-prefix", groups=g,
@@ -136,8 +140,8 @@ def _settings(args) -> list:
                             arrival=args.arrival, clients=args.clients, shared=shared)
         for cascade in sorted(args.cascade):
             settings = CascadeSettings(args.cascade_rows, 16, args.max_num_seqs,
-                                       planned=args.planned_tiles, mixed=args.mixed_cascade) \
-                if cascade else None
+                                       planned=args.planned_tiles, mixed=args.mixed_cascade,
+                                       block_rows=block) if cascade else None
             out.append((label, f"{frac:.0%} emb" if frac else "gen", "on" if cascade else "off",
                         wl, settings))
     return out
