@@ -13,6 +13,7 @@ import pytest
 
 from hetero_jax.config import EngineConfig
 from hetero_jax.models.presets import preset_config
+from hetero_jax.ops.cascade import tile_list_spec
 from hetero_jax.ops.pallas_attention import ragged_paged_attention_pallas
 from hetero_jax.runner import gpu_lowering, h200
 from tests.batches import random_batch
@@ -56,3 +57,16 @@ def test_bf16_kernel_has_no_spills(head_dim):
         with jax.default_matmul_precision("highest"), pytest.raises(Exception, match="spill"):
             h200.compile_for_h200(jax.jit(lambda a: kernel(**a)), structs(np.float32),
                                   fail_on_spills=True)
+
+
+def test_bf16_kernel_with_cascade_tiles_has_no_spills():
+    """The same batch with a cascade `TileList` (the GPU engine's every step): the first
+    launch with its skipped pages and the tiles' launch, reading queries through the token
+    map, compile without spilling at head_dim 128."""
+    b = random_batch(np.random.default_rng(0), [1] * 48 + [64] * 2, [500] * 50, 32, 8, 128,
+                     page_size=16)
+    structs = {k: jax.ShapeDtypeStruct(np.shape(v), jax.numpy.bfloat16 if k in (
+        "q", "k_pages", "v_pages") else np.asarray(v).dtype) for k, v in b.items()}
+    tiles = tile_list_spec(b["kv_lens"].shape[0])
+    h200.compile_for_h200(jax.jit(lambda a, c: ragged_paged_attention_pallas(
+        **a, cascade=c, num_multi_query_seqs=2)), structs, tiles, fail_on_spills=True)
