@@ -10,6 +10,9 @@
 #      and async scheduling on against off (the next step reads the previous step's sampled
 #      tokens on the device: `batch.link_tokens`, never run on a GPU before this script had it).
 #   2. scripts/bench_attention.py: decode attention's share of HBM bandwidth, Pallas vs XLA.
+#   2a. scripts/bench_cascade.py --impl pallas: one layer's decode attention at 64 x 2,048 plain,
+#      with an empty cascade tile list (what every step without sharing now pays) and with
+#      the planner's tiles.
 #   2b. scripts/profile_step.py: where a step's time goes, host (pack, launch, collect) and
 #      kernels, decode x1 and x64 at 2,048 cached tokens, with the kernel traces.
 #   3. scripts/bench_forward.py on the `llama-8b-shape` preset in bfloat16: decode at 64 x 2,048
@@ -23,7 +26,7 @@
 # Everything lands in one JSON, $OUT/gpu_check.json (OUT defaults to out/gpu_check). A stage that
 # fails does not stop the later ones (a lease is short): each stage's exit status is printed and
 # the script exits non-zero if any failed. STAGES="pytest attention" runs only the stages named
-# (pytest attention profile forward overlap host bench), to split the run over two commands
+# (pytest attention cascade profile forward overlap host bench), to split the run over two commands
 # where one may run at most 10 minutes.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -53,6 +56,8 @@ stage pytest timeout 360 "$PY" -m pytest -q -p no:xdist -p no:cacheprovider -o a
     -k "not seeded_sampling" \
     -rfE --tb=short --junitxml "$OUT/pytest.xml"
 stage attention timeout 80 "$PY" scripts/bench_attention.py --out "$OUT"
+stage cascade timeout 60 "$PY" scripts/bench_cascade.py --impl pallas --dtype bfloat16 \
+    --seqs 64 --prefix 2048 --suffix 64 --heads 32,8,128 --json "$OUT/bench_cascade.json"
 stage profile timeout 100 "$PY" scripts/profile_step.py --preset llama-8b-shape --batches 1,64 \
     --context 2048 --json "$OUT/profile.json" --traces "$OUT/traces"
 stage forward timeout 150 "$PY" scripts/bench_forward.py --preset llama-8b-shape \

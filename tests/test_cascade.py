@@ -146,3 +146,17 @@ def test_bench_cascade_measures_both_paths():
                                             "cascade, 4 rows x 1 tiles"]
     assert all(r["max_diff"] < 1e-5 for r in rows)
     assert rows[1]["kv_mb"] < rows[0]["kv_mb"], "tiles read the shared pages once"
+
+
+def test_bench_cascade_times_the_kernels_tiles_empty_and_planned():
+    """`--impl pallas`: plain, an empty tile list (every step without sharing) and the
+    planner's one tile of 4, read once per 16 members (8 query heads on 2), all equal."""
+    argv = ["--seqs", "4", "--prefix", "32", "--suffix", "3", "--heads", "8,2,16", "--impl",
+            "pallas", "--page-size", "8", "--iters", "1", "--repeats", "1"]
+    with jax.default_matmul_precision("highest"):  # no TF32 on a GPU
+        rows = load_script("bench_cascade").main(argv)
+    assert [r["variant"] for r in rows] == ["plain", "tiles, none shared",
+                                            "tiles of 4, 16 a read"]
+    assert all(r["max_diff"] < 1e-5 for r in rows)
+    assert rows[2]["kv_mb"] < rows[1]["kv_mb"] == rows[0]["kv_mb"]
+
