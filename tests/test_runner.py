@@ -217,3 +217,30 @@ def test_an_item_that_cannot_be_packed_is_named():
     past = ScheduledItem(5, DECODE, 9, 1, True, (7,), (4, 5), knobs)
     with pytest.raises(ValueError, match="request 5: position 9 lies past its 2 pages of 4"):
         pack_batch([good, past], cfg)
+
+
+def test_a_pallas_step_carries_its_tiles_as_data_under_its_plain_key():
+    """On the Pallas kernel a mixed step's decodes that share pages are planned (the config's
+    `cascade_settings`), packed as a `TileList` over the step's sequences, and the key is
+    the step's plain one; without a plan the list is empty."""
+    from hetero_jax.runner.batch import is_cascade, uses_cascade
+    from hetero_jax.sched.output import ScheduledItem
+
+    cfg = EngineConfig(token_budget=64, chunk_size=16, max_num_seqs=8, page_size=4,
+                       max_model_len=64, attention_impl="pallas",
+                       cascade_min_pages=1).resolve(64, 4)
+    knobs = GenKnobs(0.0, 0, 1.0, 0, None)
+    items = [ScheduledItem(5, PREFILL, 0, 3, True, (1, 2, 3), (1,), knobs)] + [
+        ScheduledItem(7 + i, DECODE, 9 + i, 1, True, (4,), (2, 3, 10 + i), knobs)
+        for i in range(3)]
+    plan = cfg.cascade_settings().plan(items, cfg.page_size)
+    assert plan == ([([1, 2, 3], 2)], [0, 2, 2, 2])
+    key, batch = pack_batch(items, cfg, plan)
+    assert key == step_key(items, cfg.buckets(), cfg.page_size) and not is_cascade(key)
+    tiles = batch.meta.cascade
+    assert tiles.tile_rows.tolist() == [1, 2, 3, -1, -1, -1, -1, -1]
+    assert tiles.tile_starts.tolist() == [0, 3, 3, 3, 3] and tiles.tile_lead[0] == 1
+    assert tiles.tile_lens.tolist() == [8, 0, 0, 0]
+    assert tiles.skip_pages[:4].tolist() == [0, 2, 2, 2]
+    assert batch.meta.page_indices[1, :3].tolist() == [2, 3, 10], "the whole table stays"
+    assert uses_cascade(batch) and not uses_cascade(pack_batch(items, cfg)[1])

@@ -24,15 +24,21 @@ def random_leaf(rng, s: jax.ShapeDtypeStruct) -> np.ndarray:
     return rng.integers(info.min, info.max, s.shape, dtype=np.int64).astype(s.dtype)
 
 
-KEYS = [next(k for k in CFG.variants() if test(k)) for test in (
+PALLAS = EngineConfig(max_model_len=256, token_budget=64, chunk_size=32, max_num_seqs=8,
+                      max_chunk_seqs=2, token_buckets=(16, 64), seq_buckets=(8,),
+                      attention_impl="pallas").resolve(
+    preset_config("tiny").max_position_embeddings, 1024)
+KEYS = [(CFG, next(k for k in CFG.variants() if test(k))) for test in (
     lambda k: k[2] == 0 and not is_cascade(k),  # decode only
     is_cascade,
-    lambda k: k[2] > 0)]  # chunk slots: the pooler's bool leaves are not empty
+    lambda k: k[2] > 0)] + [  # chunk slots: the pooler's bool leaves are not empty
+    (PALLAS, next(k for k in PALLAS.variants() if k[2] > 0))]  # a TileList in every step
 
 
-@pytest.mark.parametrize("key", KEYS)
-def test_a_batch_comes_back_whole_from_its_wire(key):
-    spec = batch_spec(CFG, *key)
+@pytest.mark.parametrize("cfg,key", KEYS)
+def test_a_batch_comes_back_whole_from_its_wire(cfg, key):
+    spec = batch_spec(cfg, *key)
+    assert cfg is CFG or spec.meta.cascade.tile_starts.shape == (key[1] // 2 + 1,)
     batch = jax.tree.map(lambda s: random_leaf(np.random.default_rng(len(s.shape)), s), spec)
     ints, floats = to_wire(batch, spec)
     assert (ints.size, floats.size) == wire_sizes(spec)
