@@ -8,7 +8,7 @@ without planning, then planned alone (`CascadeSettings.plan` on its items, what
 other processes on the host count less). The planner ran at pack time in the runner before
 the scheduler took it over, so its time is moved, not new.
 
-    python scripts/bench_plan.py --seqs 32,256
+    python scripts/bench_plan.py --seqs 32,256 [--pallas]
 """
 from __future__ import annotations
 
@@ -22,12 +22,13 @@ from hetero_jax.sched.hashing import chain_seed
 from hetero_jax.sched.tiles import CascadeSettings
 
 
-def step_times(seqs: int, steps: int) -> dict:
+def step_times(seqs: int, steps: int, pallas: bool = False) -> dict:
     """Mean CPU microseconds per step of schedule()+update() and of planning its items."""
     cfg = SchedulerConfig(token_budget=max(256, seqs), chunk_size=256, max_num_seqs=seqs,
                           page_size=16, num_pages=seqs * 40, max_model_len=2048,
                           prefix_caching=True)
-    sched, seed, settings = Scheduler(cfg), chain_seed("bench_plan"), CascadeSettings(8, 16, seqs)
+    settings = CascadeSettings(8, 16, seqs, planned=pallas, mixed=pallas)
+    sched, seed = Scheduler(cfg), chain_seed("bench_plan")
     for i in range(seqs):
         group = i % 8
         sched.add(Request(i, [group + 1] * (64 + 16 * group) + [1000 + i] * 8, 100_000,
@@ -52,8 +53,10 @@ def main(argv=None) -> list:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--seqs", default="32,256", help="decode batch sizes, comma-separated")
     ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--pallas", action="store_true",
+                    help="plan as the engine on the Pallas kernel: tiles as long as the runs")
     args = ap.parse_args(argv)
-    rows = [step_times(int(s), args.steps) for s in args.seqs.split(",")]
+    rows = [step_times(int(s), args.steps, args.pallas) for s in args.seqs.split(",")]
     for r in rows:
         print(f"{r['seqs']} decodes: schedule()+update() {r['schedule_update_us']:.0f} us, "
               f"planning {r['plan_us']:.0f} us ({r['planned']}/{r['steps']} steps planned)")

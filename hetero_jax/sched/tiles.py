@@ -19,10 +19,72 @@ from hetero_jax.sched.shapes import default_seq_buckets, pad_to_bucket
 
 
 def _common_pages(first: tuple, last: tuple) -> int:
-    """Length of the common prefix of two page lists: the first and last of a sorted run,
-    whose common prefix every list between them shares."""
+    """Length of the common prefix of two page lists (of a sorted run: the first and last,
+    whose common prefix every list between them shares), by bisection over slices."""
     n = min(len(first), len(last))
-    return next((i for i in range(n) if first[i] != last[i]), n)
+    if first[:n] == last[:n]:
+        return n
+    lo, hi = 0, n  # first[:lo] == last[:lo], first[:hi] != last[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if first[:mid] == last[:mid] else (lo, mid)
+    return lo
+
+
+def _adjacent(full: list, run: list) -> list:
+    """The pages each list of a sorted `run` (indices into `full`) shares with the next: at
+    least the c the whole run shares, and past c only where the lists agree on page c (one
+    look for most pairs; the rest bisect)."""
+    c = _common_pages(full[run[0]], full[run[-1]])
+    out = []
+    for a, b in zip(run, run[1:]):
+        x, y = full[a], full[b]
+        out.append(c if len(x) <= c or len(y) <= c or x[c] != y[c] else _common_pages(x, y))
+    return out
+
+
+def _split_run(lcp: list) -> tuple:
+    """The tiles over a sorted run of n page lists (lcp[i]: the pages lists i and i + 1
+    share) that save most reads, exactly: (saved, [(first, last, shared pages)]).
+
+    best[j + 1], the most the first j + 1 lists save, is best[j] (list j in no tile) or, for a
+    tile i..j, best[i] + (j - i) x min(lcp[i:j]). The starts i are kept on a stack in blocks
+    of equal min(lcp[i:j]) = h, each with max(best[i] - h * i), so a step reads each block
+    once; a block is re-scored only when a smaller lcp joins it to the one below (a run of
+    nested prefixes, a system prompt then documents, has a few blocks: about n x levels)."""
+    n = len(lcp) + 1
+    if min(lcp) == max(lcp):  # one shared prefix: one tile of all
+        return (n - 1) * lcp[0], [(0, n - 1, lcp[0])]
+    best, choice = [0, 0], [None, None]  # choice[j + 1]: (start, shared) of the tile ending at j
+    stack = []  # [h, max of best[i] - h * i, its i, every start i of the block]
+    for j in range(1, n):
+        h, top, top_i, starts = lcp[j - 1], best[j - 1] - lcp[j - 1] * (j - 1), j - 1, [j - 1]
+        while stack and stack[-1][0] >= h:
+            bh, bval, bi, bstarts = stack.pop()
+            if bh > h:  # re-scored at the smaller h
+                bval, bi = max((best[i] - h * i, i) for i in bstarts)
+            if bval > top:
+                top, top_i = bval, bi
+            if len(bstarts) > len(starts):  # the longer list absorbs the shorter
+                bstarts, starts = starts, bstarts
+            starts.extend(bstarts)
+        stack.append([h, top, top_i, starts])
+        tile = max(((v + bh * j, i, bh) for bh, v, i, _ in stack), default=None)
+        if tile is not None and tile[0] > best[j]:
+            best.append(tile[0])
+            choice.append(tile[1:])
+        else:
+            best.append(best[j])
+            choice.append(None)
+    tiles, j = [], n - 1
+    while j >= 0:
+        if choice[j + 1] is None:
+            j -= 1
+        else:
+            i, h = choice[j + 1]
+            tiles.append((i, j, h))
+            j = i - 1
+    return best[-1], tiles[::-1]
 
 
 def plan_tiles(page_tables: list, kv_lens: list, page_size: int, num_tiles: int, rows: int,
@@ -30,8 +92,11 @@ def plan_tiles(page_tables: list, kv_lens: list, page_size: int, num_tiles: int,
     """Tiles for decode sequences with page tables `page_tables` ([Sd] lists) and `kv_lens`.
 
     Sequences are sorted by their page tables, so those with long common prefixes sit side by
-    side, then cut into runs of at most `rows` that share their first page; a run's shared
-    pages are its common prefix, capped so that each sequence keeps its last token's page.
+    side, and grouped into runs that share their first page. A run of at most `rows` is split
+    where that saves most reads (`_split_run`: a system prompt shared by all and a document
+    shared by some make a tile per document); a longer run is cut into runs of `rows`. A
+    tile's shared pages are its common prefix, capped so that each sequence keeps its last
+    token's page.
     The `num_tiles` runs that save most page reads ((members - 1) x shared pages) are kept.
     Returns ([(members, shared_pages)], rest_offsets [Sd]) or None when the kept tiles save
     fewer than `min_saved_pages` page reads.
@@ -43,13 +108,17 @@ def plan_tiles(page_tables: list, kv_lens: list, page_size: int, num_tiles: int,
     order = sorted((i for i in range(len(full)) if full[i]), key=lambda i: full[i])
     runs, i = [], 0
     while i < len(order):
-        run = [order[i]]
-        while (len(run) < rows and i + len(run) < len(order)
-               and full[order[i + len(run)]][0] == full[run[0]][0]):
-            run.append(order[i + len(run)])
-        i += len(run)
-        if len(run) > 1:
-            runs.append((run, _common_pages(full[run[0]], full[run[-1]])))
+        j = i + 1
+        while j < len(order) and full[order[j]][0] == full[order[i]][0]:
+            j += 1
+        group, i = order[i:j], j
+        if len(group) <= rows:
+            runs += [(group[lo:hi + 1], n) for lo, hi, n in _split_run(_adjacent(full, group))[1]]
+            continue
+        for k in range(0, len(group), rows):
+            run = group[k:k + rows]
+            if len(run) > 1:
+                runs.append((run, _common_pages(full[run[0]], full[run[-1]])))
     runs.sort(key=lambda r: (len(r[0]) - 1) * r[1], reverse=True)
     tiles = runs[:num_tiles]
     if saved_pages(tiles) < min_saved_pages:
