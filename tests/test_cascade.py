@@ -124,6 +124,7 @@ def test_split_run_equals_the_best_partition_by_brute_force():
     contiguous partitions saves, and each tile shares its members' least common prefix."""
     from hetero_jax.sched.tiles import _split_run
     assert _split_run([3, 3, 3]) == (9, [(0, 3, 3)])  # one shared prefix: one tile
+    assert _split_run([]) == (0, [])  # one list: no tile
     assert _split_run([2, 3, 5]) == (7, [(0, 1, 2), (2, 3, 5)])  # not cut at the least lcp
     rng = np.random.default_rng(5)
     for _ in range(300):

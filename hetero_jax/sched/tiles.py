@@ -53,6 +53,8 @@ def _split_run(lcp: list) -> tuple:
     once; a block is re-scored only when a smaller lcp joins it to the one below (a run of
     nested prefixes, a system prompt then documents, has a few blocks: about n x levels)."""
     n = len(lcp) + 1
+    if n == 1:
+        return 0, []
     if min(lcp) == max(lcp):  # one shared prefix: one tile of all
         return (n - 1) * lcp[0], [(0, n - 1, lcp[0])]
     best, choice = [0, 0], [None, None]  # choice[j + 1]: (start, shared) of the tile ending at j
