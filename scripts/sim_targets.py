@@ -7,7 +7,8 @@ done-when with the commands docs/results.md reports and prints each value beside
 threshold. Groups: `paper` (4 A100-40GB, Mistral-7B, 512 closed-loop clients, at 64 and 256
 sequences; a few minutes), `burst` (the bench's burst trace at 9:1 on the CPU fit and the
 H200 roofline; seconds), `feather` (Llama-3-8B on the H200 roofline, 4 and 16 groups of
-2,048-token prefixes, planner-sized tiles; about a minute).
+2,048-token prefixes, planner-sized tiles and cascade in mixed steps, as the engine on the
+Pallas kernel runs them; about a minute).
 
     python scripts/sim_targets.py [--only burst,feather] [--json PATH]
 """
