@@ -204,6 +204,16 @@ def test_mixed_cascade_reads_the_decodes_shared_pages_once_beside_a_prefill():
     assert kv_pages_saved(items[1:], 16, CascadeSettings(8, 16, 32)) == 32
 
 
+def test_planned_tiles_are_read_once_per_block_of_members():
+    """20 decodes on 32 shared pages, one planned tile: 19 x 32 reads saved read once, 18 x 32
+    when each read serves 16 members (the Pallas kernel's block at 4 query heads a KV head)."""
+    shared = tuple(range(1, 33))
+    items = [ScheduledItem(i, DECODE, 520, 1, True, pages=shared + (100 + i,)) for i in range(20)]
+    once = CascadeSettings(8, 16, 32, planned=True)
+    assert kv_pages_saved(items, 16, once) == 19 * 32
+    assert kv_pages_saved(items, 16, dataclasses.replace(once, block_rows=16)) == 18 * 32
+
+
 def test_page_reuse_counts_each_page_past_its_first_read_and_the_pages_read_again():
     """4 decodes on 10 shared pages and one own page each read 44 pages, 14 distinct, 10 of
     them more than once; a page held past a sequence's KV length is not read."""
