@@ -1,14 +1,15 @@
 """Decode attention with and without cascade: N sequences sharing a prefix, one layer.
 
-Builds one step of N decode sequences whose page tables start with the same `--prefix` tokens
-of pages (as prefix-cache hits leave them) followed by `--suffix` tokens of their own, on
-shuffled pages, and times `ragged_paged_attention` plain and with the cascade plan of
+Builds one step of N decode sequences whose page tables start with the same `--prefix` tokens of
+pages (as prefix-cache hits leave them) followed by `--suffix` tokens of their own, on shuffled
+pages, and times `ragged_paged_attention` plain and with the cascade plan of
 `sched.tiles.plan_tiles`: on XLA at each `--rows` (sequences per tile); on the Pallas kernel
 (`--impl pallas`) with an empty tile list (what every step without sharing runs) and with the
-planner's tiles; medians of `--repeats` runs of `--iters` calls, in one process. Reports the speed-up, the K/V bytes each variant must read
-(plain: every sequence's whole context; cascade: each tile's shared pages once plus every
-sequence's own pages) and the bytes per second that implies, and the largest difference from
-the plain result. `main` returns the rows; `--json PATH` writes them.
+planner's tiles; medians of `--repeats` runs of `--iters` calls, in one process. Reports the
+speed-up, the K/V bytes each variant must read (plain: every sequence's whole context; cascade:
+each tile's shared pages once plus every sequence's own pages) and the bytes per second that
+implies, and the largest difference from the plain result. `main` returns the rows; `--json
+PATH` writes them.
 
     python scripts/bench_cascade.py --seqs 32 --prefix 1024 --suffix 64
     python scripts/bench_cascade.py --impl pallas --dtype bfloat16 --seqs 256 --prefix 2048 \

@@ -1,12 +1,12 @@
 """Bytes the 8B-shaped decode step moves on an H200 against its floor, from a deviceless compile.
 
-In: `--layers` (default 8), `--layer-loop` (default `scan,unrolled`) and `--cascade-rows`
-(0: the step without the cascade tiles' launch, which the engine's default runs in every step). For each layer loop
-the GPU engine's step (`runner/h200.py`: bf16, the Pallas kernel) of the `llama-8b-shape`
-preset at that depth is compiled for the H200 at the decode variant (64, 64, 0, 128, 0) of
-EngineConfig(max_num_seqs=64, max_model_len=2048): 64 sequences of 2,048 cached tokens (the
-new token included). Then the bf16 kernel alone (32 query heads on 8 KV heads, the same
-decode batch) at head_dim 64 and 128, compiled with ptxas refusing register spills.
+In: `--layers` (default 8), `--layer-loop` (default `scan,unrolled`) and `--cascade-rows` (0:
+the step without the cascade tiles' launch, which the engine's default runs in every step). For
+each layer loop the GPU engine's step (`runner/h200.py`: bf16, the Pallas kernel) of the
+`llama-8b-shape` preset at that depth is compiled for the H200 at the decode variant (64, 64, 0,
+128, 0) of EngineConfig(max_num_seqs=64, max_model_len=2048): 64 sequences of 2,048 cached
+tokens (the new token included). Then the bf16 kernel alone (32 query heads on 8 KV heads, the
+same decode batch) at head_dim 64 and 128, compiled with ptxas refusing register spills.
 
 Out: markdown tables on stdout and, with `--json PATH`, the same rows as JSON. Per step: the
 bytes of XLA's launches (`scripts/hlo_bytes.py` over the optimised HLO, custom calls apart),

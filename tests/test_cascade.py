@@ -11,7 +11,8 @@ from hetero_jax.ops.cascade import cascade_arrays, tile_list_arrays
 from hetero_jax.ops.pallas_attention import default_block_q
 from hetero_jax.sched import DECODE, EMBED, PREFILL, ScheduledItem
 from hetero_jax.sched.request import GenKnobs
-from hetero_jax.sched.tiles import CascadeSettings, kernel_block_rows, plan_tiles, saved_pages
+from hetero_jax.sched.tiles import (CascadeSettings, in_step, kernel_block_rows, plan_tiles,
+                                    saved_pages)
 from tests.batches import shared_prefix_batch
 from tests.script_loader import load_script
 
@@ -60,10 +61,7 @@ def tile_list_case(rng, groups, chunks, hq, hkv, d):
     S // 2 of them), indices over the step's sequences, chunks first."""
     b, tables, lens = shared_prefix_batch(rng, groups, hq, hkv, d, PS, chunks)
     s = b["kv_lens"].shape[0]
-    plan = plan_tiles(tables, lens, PS, s // 2, s, min_saved_pages=1)
-    if plan is not None:
-        lead = len(chunks)
-        plan = ([([lead + j for j in m], n) for m, n in plan[0]], [0] * lead + plan[1])
+    plan = in_step(plan_tiles(tables, lens, PS, s // 2, s, min_saved_pages=1), len(chunks))
     return b, tile_list_arrays(plan, s, PS), plan
 
 

@@ -171,11 +171,16 @@ class CascadeSettings:
             return None
         lead = len(items) - len(decodes)
         assert all(it.kind == DECODE for it in items[lead:]), "decodes come last in a step"
-        plan = plan_tiles([it.pages for it in decodes], [it.start + 1 for it in decodes],
-                          page_size, *self.tiles(len(items)), self.min_saved_pages)
-        if plan is None or not lead:
-            return plan
-        return [([lead + j for j in m], n) for m, n in plan[0]], [0] * lead + plan[1]
+        return in_step(plan_tiles([it.pages for it in decodes], [it.start + 1 for it in decodes],
+                                  page_size, *self.tiles(len(items)), self.min_saved_pages), lead)
+
+
+def in_step(plan: tuple | None, lead: int) -> tuple | None:
+    """A plan of `plan_tiles` over a step's decodes as indices of the step, whose first `lead`
+    sequences are its chunks (they skip no pages)."""
+    if plan is None or not lead:
+        return plan
+    return [([lead + j for j in m], n) for m, n in plan[0]], [0] * lead + plan[1]
 
 
 def kv_pages_saved(items: list, page_size: int, cascade: CascadeSettings | None) -> int:

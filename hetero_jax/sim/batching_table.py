@@ -12,17 +12,18 @@ setting, the KV the attention read (GB, from the model's bytes per token), steps
 decode batch, the steps that used cascade, the share of decode steps on one prefix group
 ("homog"), the ratio to fcfs with the plain kernel (the paper's baseline: cascade off), the
 prefix-cache hit rate, the bandit's best arm and the row's no-KV ceiling: its ratio to that
-baseline had each of its steps read no KV (the most any sharing of KV reads, cascade's
-included, could give these steps under the cost model). `--planned-tiles`: cascade tiles sized by
-the planner instead of `--cascade-rows` rows, each read once per block of members one program
-of the Pallas kernel serves (`tiles.kernel_block_rows` of the model's heads), as the engine on
-the Pallas kernel does; `--mixed-cascade`: cascade also in mixed steps, as it does too. `--l2-share F` (a roofline only) credits
-locality: repeated reads of a step's shared pages come from the share F of the GPU's L2 while
-those pages fit (`sim.simulate`, "Locality", says what that assumes); the KV column is then
-what HBM served. With `--arms`, the bandit's target instead: one row per workload x mix x cascade
-setting with fcfs, every arm of `feather-bandit` run alone as a fixed `feather` on the same
-trace, and the bandit; requests per second (generations and embeddings) of fcfs, of the best
-fixed arm (named) and of the bandit, and the bandit over each. `--json PATH` writes the rows.
+baseline had each of its steps read no KV (the most any sharing of KV reads, cascade's included,
+could give these steps under the cost model). `--planned-tiles`: cascade tiles sized by the
+planner instead of `--cascade-rows` rows, each read once per block of members one program of the
+Pallas kernel serves (`tiles.kernel_block_rows` of the model's heads), as the engine on the
+Pallas kernel does; `--mixed-cascade`: cascade also in mixed steps, as it does too.
+`--l2-share F` (a roofline only) credits locality: repeated reads of a step's shared pages come
+from the share F of the GPU's L2 while those pages fit (`sim.simulate`, "Locality", says what
+that assumes); the KV column is then what HBM served. With `--arms`, the bandit's target
+instead: one row per workload x mix x cascade setting with fcfs, every arm of `feather-bandit`
+run alone as a fixed `feather` on the same trace, and the bandit; requests per second
+(generations and embeddings) of fcfs, of the best fixed arm (named) and of the bandit, and the
+bandit over each. `--json PATH` writes the rows.
 Every run uses the scheduler of the engine (`sched.Scheduler`) under the simulator's cost
 model; imports no jax.
 """
